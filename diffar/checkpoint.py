@@ -1,0 +1,112 @@
+"""Checkpoints: a folder with model.safetensors, config.json (everything needed to rebuild the model)
+and tokenizer.json; training runs add train_state.pt (optimizer and step) for exact resume.
+
+A run folder holds numbered checkpoints and a `latest` pointer. Each checkpoint is written to a
+temporary folder and renamed into place, then `latest` is replaced atomically, so a crash at any
+moment leaves the previous checkpoint intact and loadable.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_model, save_model
+
+from diffar.errors import DiffarError
+from diffar.models.transformer import Transformer, TransformerConfig
+from diffar.tokenizer import Tokenizer
+
+FORMAT_VERSION = 1
+MODEL_KINDS = {"ar": (TransformerConfig, Transformer)}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_checkpoint(
+    folder: Path, model: torch.nn.Module, meta: dict, tokenizer: Tokenizer, train_state: dict | None = None,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write a complete checkpoint into `folder` (which must not exist yet), atomically."""
+    tmp = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weights = model if dtype is None else copy.deepcopy(model).to(dtype)
+    save_model(weights, str(tmp / "model.safetensors"))
+    tokenizer.save(tmp / "tokenizer.json")
+    meta = {**meta, "format_version": FORMAT_VERSION, "tokenizer_sha256": tokenizer.sha256}
+    (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+    if train_state is not None:
+        torch.save(train_state, tmp / "train_state.pt")
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    os.replace(tmp, folder)
+
+
+def save_run_checkpoint(run_dir: Path, step: int, model, meta: dict, tokenizer: Tokenizer, train_state: dict,
+                        keep: int = 2) -> Path:
+    """Add checkpoint `ckpt-{step}` to a run folder, point `latest` at it, keep the newest `keep`."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    folder = run_dir / f"ckpt-{step:07d}"
+    if folder.exists():
+        shutil.rmtree(folder)
+    write_checkpoint(folder, model, {**meta, "step": step}, tokenizer, train_state)
+    _atomic_write_text(run_dir / "latest", folder.name + "\n")
+    for old in sorted(run_dir.glob("ckpt-*"))[:-keep]:
+        if old.name != folder.name:
+            shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint folder, or a run folder (follows its `latest` pointer)."""
+    path = Path(path)
+    if (path / "latest").is_file():
+        path = path / (path / "latest").read_text().strip()
+    if not (path / "config.json").is_file():
+        raise DiffarError(f"no checkpoint at {path} (expected a folder with config.json and model.safetensors)")
+    return path
+
+
+def read_meta(path: str | Path) -> dict:
+    path = resolve(path)
+    try:
+        meta = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise DiffarError(f"corrupt checkpoint {path}: config.json is unreadable") from e
+    if not isinstance(meta, dict) or meta.get("kind") not in MODEL_KINDS or "model" not in meta:
+        raise DiffarError(f"corrupt checkpoint {path}: config.json names no known model kind")
+    return meta
+
+
+def load_checkpoint(path: str | Path, tokenizer_path: str | Path | None = None,
+                    dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Tokenizer, dict]:
+    """Rebuild (model in eval mode, tokenizer, meta) from a checkpoint or run folder."""
+    path = resolve(path)
+    meta = read_meta(path)
+    config_cls, model_cls = MODEL_KINDS[meta["kind"]]
+    model = model_cls(config_cls.from_dict(meta["model"]))
+    try:
+        missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+    except (OSError, SafetensorError, RuntimeError, ValueError) as e:
+        raise DiffarError(f"corrupt checkpoint {path}: model.safetensors cannot be read") from e
+    if missing or unexpected:
+        raise DiffarError(f"corrupt checkpoint {path}: weights do not match config.json")
+    tokenizer = Tokenizer.load(tokenizer_path or path / "tokenizer.json")
+    if tokenizer.sha256 != meta.get("tokenizer_sha256"):
+        raise DiffarError(f"tokenizer {tokenizer_path} does not match the checkpoint {path} (trained with another)")
+    return model.to(dtype).eval(), tokenizer, meta

@@ -1,0 +1,241 @@
+"""The `diffar` command line. Each subcommand parses its flags and hands off to the library;
+any DiffarError (bad input) becomes one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from diffar.errors import DiffarError
+
+DEFAULT_TOKENIZER = Path(__file__).resolve().parent.parent / "tokenizer" / "diffar-8k.json"
+
+
+# ---- tokenizer ------------------------------------------------------------------------------------
+def cmd_tokenizer_train(args) -> None:
+    from diffar.data.corpora import load_corpus
+    from diffar.tokenizer import train_tokenizer
+
+    texts = [t for name in args.corpus for t in load_corpus(name, "train").texts()]
+    tok = train_tokenizer(texts, args.vocab_size, args.min_frequency)
+    tok.save(args.out)
+    print(f"saved {tok.vocab_size}-token tokenizer to {args.out} (sha256 {tok.sha256[:12]})")
+
+
+# ---- train / export -------------------------------------------------------------------------------
+def _train_config(args):
+    from diffar.training.trainer import TrainConfig
+
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+
+
+def cmd_train(args) -> None:
+    import torch
+
+    from diffar.data.batching import build_dataset
+    from diffar.data.corpora import load_corpus
+    from diffar.models.transformer import Transformer, TransformerConfig
+    from diffar.tokenizer import Tokenizer
+    from diffar.training.trainer import Trainer
+
+    torch.set_num_threads(args.threads) if args.threads else None
+    cfg = _train_config(args)
+    tokenizer = Tokenizer.load(args.tokenizer)
+    model_cfg = TransformerConfig.from_preset(args.preset, vocab_size=tokenizer.vocab_size)
+    block = args.block_size or model_cfg.max_seq_len
+    if block > model_cfg.max_seq_len:
+        raise DiffarError(f"--block-size {block} exceeds the {args.preset} context of {model_cfg.max_seq_len}")
+    train_corpus = load_corpus(args.corpus, "train")
+    valid_corpus = load_corpus(args.valid_corpus or args.corpus, "valid")
+    if valid_corpus.task != train_corpus.task:
+        raise DiffarError(f"--valid-corpus is a {valid_corpus.task} corpus, --corpus a {train_corpus.task} one")
+    train_data = build_dataset(train_corpus, tokenizer, block)
+    valid_data = build_dataset(valid_corpus, tokenizer, block)
+    torch.manual_seed(cfg.seed)
+    model = Transformer(model_cfg)
+    meta = {"kind": "ar", "model": model_cfg.to_dict(), "task": train_corpus.task, "corpus": train_corpus.name,
+            "block_size": block}
+    metrics = Trainer(model, train_data, valid_data, cfg, args.out, meta, tokenizer).fit()
+    if metrics:
+        print(f"done: step {metrics['step']}, val loss {metrics['val_loss']:.4f}, val ppl {metrics['val_ppl']:.2f}")
+
+
+def cmd_export(args) -> None:
+    from diffar.checkpoint import DTYPES, load_checkpoint, read_meta, write_checkpoint
+
+    out = Path(args.out)
+    if out.exists():
+        raise DiffarError(f"{out} already exists; remove it or choose another --out")
+    model, tokenizer, _ = load_checkpoint(args.checkpoint)
+    meta = read_meta(args.checkpoint)
+    write_checkpoint(out, model, {**meta, "dtype": args.dtype}, tokenizer, dtype=DTYPES[args.dtype])
+    print(f"exported step {meta.get('step')} to {out} ({args.dtype})")
+
+
+# ---- generate -------------------------------------------------------------------------------------
+def cmd_generate(args) -> None:
+    import torch
+
+    from diffar.checkpoint import load_checkpoint
+    from diffar.data.batching import prompt_ids
+    from diffar.decoding.ar import generate
+    from diffar.decoding.sampling import SamplingConfig
+
+    text = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not text.strip():
+        raise DiffarError("empty prompt: pass --prompt TEXT or text on stdin")
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens <= 0:
+        raise DiffarError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    model, tokenizer, meta = load_checkpoint(args.checkpoint, args.tokenizer)
+    ids = prompt_ids(tokenizer, meta["task"], text)
+    generator = torch.Generator().manual_seed(args.seed)
+    new: list[int] = []
+    printed = ""
+
+    def stream(row: int, token: int) -> None:
+        nonlocal printed
+        new.append(token)
+        decoded = tokenizer.decode(new)
+        if not decoded.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            sys.stdout.write(decoded[len(printed):])
+            sys.stdout.flush()
+            printed = decoded
+
+    if meta["task"] == "continuation" and not args.no_echo:
+        sys.stdout.write(text)
+    result = generate(model, [ids], args.max_new_tokens, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
+                      sampling=sampling, on_token=stream, generator=generator, use_cache=not args.no_cache)
+    sys.stdout.write(tokenizer.decode(new)[len(printed):] + "\n")
+    print(f"[ar] {result.new_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_s:.1f} tokens/s | "
+          f"{result.forward_passes} forward passes ({result.new_tokens / result.forward_passes:.2f} tokens/pass) | "
+          f"prompt {len(ids)} tokens | batch 1 | {'KV cache' if not args.no_cache else 'no cache'}",
+          file=sys.stderr)
+
+
+# ---- eval / bench ---------------------------------------------------------------------------------
+def cmd_eval(args) -> None:
+    from diffar.evaluation.evaluate import evaluate_checkpoint
+
+    report = evaluate_checkpoint(args.checkpoint, args.corpus, args.split, args.limit, args.batch_size)
+    print(json.dumps(report, indent=2))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def cmd_bench_ar(args) -> None:
+    from diffar.evaluation.bench import bench_ar, print_table, write_records
+
+    records = bench_ar(args.checkpoint, args.batch_sizes, args.new_tokens, args.repeats)
+    print_table(records)
+    write_records(records, args.out)
+
+
+# ---- parser ---------------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    from diffar.training.trainer import TrainConfig
+
+    for f in fields(TrainConfig):
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+                       help=f"(default {f.default})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from diffar.data.corpora import EMBEDDED
+    from diffar.models.transformer import PRESETS
+
+    parser = argparse.ArgumentParser(prog="diffar", description="Fast text generation: diffusion fused with AR.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    corpora = f"an embedded corpus ({', '.join(EMBEDDED)}), a text file/folder, or a JSONL of source/target"
+
+    tok = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
+    tok_sub = tok.add_subparsers(dest="action", required=True, metavar="ACTION")
+    t = tok_sub.add_parser("train", help="train a tokenizer on one or more corpora")
+    t.add_argument("--corpus", action="append", required=True, help=corpora + " (repeatable)")
+    t.add_argument("--vocab-size", type=_positive_int, default=8192)
+    t.add_argument("--min-frequency", type=_positive_int, default=2)
+    t.add_argument("--out", required=True, help="where to write the tokenizer JSON")
+    t.set_defaults(func=cmd_tokenizer_train)
+
+    tr = sub.add_parser("train", help="train a model (resumes if --out holds a run)")
+    tr_sub = tr.add_subparsers(dest="model_kind", required=True, metavar="MODEL")
+    ar = tr_sub.add_parser("ar", help="the autoregressive transformer baseline")
+    ar.add_argument("--corpus", required=True, help=corpora)
+    ar.add_argument("--valid-corpus", help="validation data (default: the corpus's valid split)")
+    ar.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    ar.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER))
+    ar.add_argument("--block-size", type=_positive_int, help="training sequence length (default: the context)")
+    ar.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl)")
+    ar.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    _add_train_flags(ar)
+    ar.set_defaults(func=cmd_train)
+
+    ex = sub.add_parser("export", help="write a run's latest checkpoint as a compact folder (no optimizer state)")
+    ex.add_argument("--checkpoint", required=True, help="run or checkpoint folder")
+    ex.add_argument("--out", required=True)
+    ex.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    ex.set_defaults(func=cmd_export)
+
+    g = sub.add_parser("generate", help="generate text from a prompt (argument or stdin), streaming")
+    g.add_argument("--checkpoint", required=True)
+    g.add_argument("--tokenizer", help="override the checkpoint's own tokenizer (must be the same one)")
+    g.add_argument("--prompt", help="prompt text (default: read stdin)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-cache", action="store_true", help="recompute every step (slow; for comparison)")
+    g.add_argument("--no-echo", action="store_true", help="do not repeat a continuation prompt")
+    g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("eval", help="BLEU-4/chrF/ROUGE-L and perplexity on a corpus split")
+    e.add_argument("--checkpoint", required=True)
+    e.add_argument("--corpus", help="default: the corpus the checkpoint was trained on")
+    e.add_argument("--split", default="test", choices=["train", "valid", "test"])
+    e.add_argument("--limit", type=_positive_int, help="evaluate the first N examples only")
+    e.add_argument("--batch-size", type=_positive_int, default=16)
+    e.add_argument("--out", help="also write the report as JSON")
+    e.set_defaults(func=cmd_eval)
+
+    b = sub.add_parser("bench", help="measure decoding speed; writes JSON records")
+    b_sub = b.add_subparsers(dest="method", required=True, metavar="METHOD")
+    bar = b_sub.add_parser("ar", help="AR with vs without the KV cache")
+    bar.add_argument("--checkpoint", default="checkpoints/ar-kjv2web")
+    bar.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1, 8])
+    bar.add_argument("--new-tokens", type=_positive_int, default=256)
+    bar.add_argument("--repeats", type=_positive_int, default=1)
+    bar.add_argument("--out", required=True, help="JSON file to write")
+    bar.set_defaults(func=cmd_bench_ar)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except DiffarError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Token datasets the trainer samples from: fixed-length windows (continuation) and
+source<sep>target<eos> sequences with the loss on the target only (seq2seq).
+
+Each dataset maps a list of example indices to a batch dict the model's forward takes
+(`tokens`, `targets`; targets of -100 are ignored by the loss).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffar.data.corpora import Corpus
+from diffar.errors import DiffarError
+from diffar.tokenizer import Tokenizer
+
+IGNORE_INDEX = -100
+
+
+class WindowDataset:
+    """All length-`block_size` windows of the concatenated documents (eos between documents)."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int):
+        if tokens.numel() <= block_size + 1:
+            raise DiffarError(f"corpus has {tokens.numel()} tokens, fewer than one window of {block_size + 1}")
+        self.tokens, self.block_size = tokens, block_size
+
+    def __len__(self) -> int:
+        return self.tokens.numel() - self.block_size - 1
+
+    def sample_indices(self, generator: torch.Generator, n: int) -> list[int]:
+        return torch.randint(len(self), (n,), generator=generator).tolist()
+
+    def eval_indices(self, max_examples: int) -> list[int]:
+        """Non-overlapping windows: every token scored once."""
+        return list(range(0, len(self), self.block_size))[:max_examples]
+
+    def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        offsets = torch.tensor(indices).unsqueeze(1) + torch.arange(self.block_size + 1)
+        seq = self.tokens[offsets]
+        return {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
+
+
+class PairDataset:
+    """source <sep> target <eos>, right-padded per batch; the loss covers target tokens and eos."""
+
+    def __init__(self, examples: list[tuple[list[int], list[int]]], tokenizer: Tokenizer, block_size: int):
+        self.pad_id = tokenizer.pad_id
+        self.seqs, self.prefix = [], []
+        for src, tgt in examples:
+            seq = src + [tokenizer.sep_id] + tgt + [tokenizer.eos_id]
+            if len(seq) <= block_size + 1:
+                self.seqs.append(seq)
+                self.prefix.append(len(src) + 1)
+        if not self.seqs:
+            raise DiffarError(f"no source/target pair fits in a block of {block_size} tokens")
+        self.dropped = len(examples) - len(self.seqs)
+        self.by_length = sorted(range(len(self.seqs)), key=lambda i: len(self.seqs[i]))
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def sample_indices(self, generator: torch.Generator, n: int) -> list[int]:
+        """n examples of similar length (a random run of the length-sorted order): little padding."""
+        start = int(torch.randint(max(1, len(self) - n + 1), (1,), generator=generator))
+        run = self.by_length[start:start + n]
+        return (run * (n // len(run) + 1))[:n]
+
+    def eval_indices(self, max_examples: int) -> list[int]:
+        return list(range(len(self)))[:max_examples]
+
+    def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        width = max(len(self.seqs[i]) for i in indices) - 1
+        tokens = torch.full((len(indices), width), self.pad_id, dtype=torch.long)
+        targets = torch.full((len(indices), width), IGNORE_INDEX, dtype=torch.long)
+        for row, i in enumerate(indices):
+            seq, p = torch.tensor(self.seqs[i]), self.prefix[i]
+            tokens[row, : len(seq) - 1] = seq[:-1]
+            targets[row, p - 1 : len(seq) - 1] = seq[p:]
+        return {"tokens": tokens, "targets": targets}
+
+
+def build_dataset(corpus: Corpus, tokenizer: Tokenizer, block_size: int) -> WindowDataset | PairDataset:
+    if corpus.task == "continuation":
+        ids: list[int] = []
+        for doc in corpus.documents:
+            ids.extend(tokenizer.encode(doc))
+            ids.append(tokenizer.eos_id)
+        return WindowDataset(torch.tensor(ids, dtype=torch.long), block_size)
+    sources = tokenizer.encode_batch([p.source for p in corpus.pairs])
+    targets = tokenizer.encode_batch([p.target for p in corpus.pairs])
+    return PairDataset(list(zip(sources, targets)), tokenizer, block_size)
+
+
+def prompt_ids(tokenizer: Tokenizer, task: str, text: str) -> list[int]:
+    """The token ids a model of `task` is prompted with: the source plus <sep> for seq2seq."""
+    ids = tokenizer.encode(text)
+    return ids + [tokenizer.sep_id] if task == "seq2seq" else ids

@@ -1,0 +1,100 @@
+"""Corpora: the two embedded ones under data/, and a user's own text or JSONL.
+
+A corpus is either *continuation* (a list of documents) or *seq2seq* (a list of source/target pairs).
+Embedded corpora are named (`shakespeare`, `kjv2web`); anything else is a path:
+  - a `.jsonl` / `.jsonl.gz` file of {"source", "target"} records  -> seq2seq
+  - a text file, or a folder of `*.txt` files                        -> continuation (one document each)
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from diffar.errors import DiffarError
+
+DATA_DIR = Path(__file__).resolve().parent.parent.parent / "data"
+EMBEDDED = {"shakespeare": "continuation", "kjv2web": "seq2seq"}
+SPLITS = ("train", "valid", "test")
+
+
+@dataclass(frozen=True)
+class Pair:
+    source: str
+    target: str
+
+
+@dataclass
+class Corpus:
+    name: str
+    task: str  # "continuation" | "seq2seq"
+    documents: list[str] | None = None
+    pairs: list[Pair] | None = None
+
+    def texts(self) -> list[str]:
+        """Every string in the corpus (for tokenizer training)."""
+        if self.task == "continuation":
+            return list(self.documents)
+        return [t for p in self.pairs for t in (p.source, p.target)]
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    records = []
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise DiffarError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise DiffarError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from e
+    return records
+
+
+def _pairs(records: list[dict], path: Path) -> list[Pair]:
+    pairs = []
+    for i, r in enumerate(records, 1):
+        if not isinstance(r, dict) or not isinstance(r.get("source"), str) or not isinstance(r.get("target"), str):
+            raise DiffarError(f"{path}: record {i} needs string fields \"source\" and \"target\"")
+        pairs.append(Pair(r["source"], r["target"]))
+    if not pairs:
+        raise DiffarError(f"{path} holds no records")
+    return pairs
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DiffarError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from e
+
+
+def load_corpus(name_or_path: str, split: str = "train") -> Corpus:
+    """Load an embedded corpus split by name, or a user's file/folder (which has no splits)."""
+    if split not in SPLITS:
+        raise DiffarError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+    if name_or_path in EMBEDDED:
+        path = DATA_DIR / name_or_path / f"{split}.jsonl.gz"
+        records = _read_jsonl(path)
+        if EMBEDDED[name_or_path] == "seq2seq":
+            return Corpus(name_or_path, "seq2seq", pairs=_pairs(records, path))
+        return Corpus(name_or_path, "continuation", documents=[r["text"] for r in records])
+    path = Path(name_or_path)
+    if not path.exists():
+        raise DiffarError(f"unknown corpus {name_or_path!r}: not one of {', '.join(EMBEDDED)} and no such file or folder")
+    if path.is_dir():
+        files = sorted(path.glob("*.txt"))
+        if not files:
+            raise DiffarError(f"folder {path} holds no *.txt files")
+        return Corpus(path.name, "continuation", documents=[_read_text(f) for f in files])
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
+        return Corpus(path.name, "seq2seq", pairs=_pairs(_read_jsonl(path), path))
+    text = _read_text(path)
+    if not text.strip():
+        raise DiffarError(f"{path} is empty")
+    return Corpus(path.name, "continuation", documents=[text])

@@ -1,0 +1,181 @@
+"""Autoregressive decoding with a preallocated KV cache, one small function per phase (as gpt-fast):
+`prefill` -> `decode_one_token` -> `decode_n_tokens`; `generate` composes them.
+
+Batches are left-padded: cache slot s of row b holds prompt/generated token s - pad[b], so every row
+decodes at the same slot while its RoPE positions and attention ignore its padding. A batched run is
+therefore the same computation as running each prompt alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from diffar.decoding.sampling import SamplingConfig, sample_next
+from diffar.errors import DiffarError
+from diffar.models.transformer import Transformer
+
+TokenCallback = Callable[[int, int], None]  # (row, token id), called as each token is produced
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # new tokens per row, eos excluded
+    prompt_tokens: int
+    forward_passes: int
+    seconds: float
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+@dataclass
+class Batch:
+    """Left-padded prompts and where each row's real tokens start."""
+
+    tokens: torch.Tensor  # (B, T)
+    pad: torch.Tensor  # (B,)
+
+    @classmethod
+    def from_prompts(cls, prompts: list[list[int]], pad_id: int) -> Batch:
+        width = max(len(p) for p in prompts)
+        tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        for row, p in enumerate(prompts):
+            tokens[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        return cls(tokens, torch.tensor([width - len(p) for p in prompts]))
+
+    @property
+    def padded(self) -> bool:
+        return bool(self.pad.any())
+
+    def positions(self, start: int, length: int) -> torch.Tensor:
+        """RoPE positions (B, length) of cache slots [start, start+length)."""
+        return (torch.arange(start, start + length).unsqueeze(0) - self.pad.unsqueeze(1)).clamp(min=0)
+
+    def attn_mask(self, start: int, length: int) -> torch.Tensor | None:
+        """(B, 1, length, start+length) bool: causal, blind to padding. None when nothing is padded."""
+        if not self.padded:
+            return None
+        q = torch.arange(start, start + length).view(1, -1, 1)
+        k = torch.arange(start + length).view(1, 1, -1)
+        real = k >= self.pad.view(-1, 1, 1)
+        # A padding query attends to itself only, so its (unused) output stays finite.
+        return ((k <= q) & (real | (k == q))).unsqueeze(1)
+
+
+def check_lengths(model: Transformer, prompts: list[list[int]], max_new_tokens: int) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise DiffarError("empty prompt: give at least one token of text")
+    if max_new_tokens <= 0:
+        raise DiffarError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+    longest, ctx = max(len(p) for p in prompts), model.config.max_seq_len
+    if longest + max_new_tokens > ctx:
+        raise DiffarError(
+            f"prompt ({longest} tokens) + max new tokens ({max_new_tokens}) exceeds the model's context of {ctx}"
+        )
+
+
+def prefill(model: Transformer, batch: Batch) -> torch.Tensor:
+    """Run the prompts through the model, filling cache slots [0, T). Returns last-position logits (B, V)."""
+    T = batch.tokens.shape[1]
+    logits, _ = model(batch.tokens, positions=batch.positions(0, T), attn_mask=batch.attn_mask(0, T), cache_start=0)
+    return logits[:, -1]
+
+
+def decode_one_token(model: Transformer, batch: Batch, token: torch.Tensor, slot: int) -> torch.Tensor:
+    """Feed one token per row (B,) at cache slot `slot`. Returns next-token logits (B, V)."""
+    logits, _ = model(
+        token.unsqueeze(1), positions=batch.positions(slot, 1), attn_mask=batch.attn_mask(slot, 1), cache_start=slot
+    )
+    return logits[:, -1]
+
+
+def decode_n_tokens(
+    model: Transformer,
+    batch: Batch,
+    logits: torch.Tensor,
+    n: int,
+    sampling: SamplingConfig,
+    eos_id: int | None,
+    on_token: TokenCallback | None = None,
+    generator: torch.Generator | None = None,
+    step: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+) -> tuple[list[list[int]], int]:
+    """Sample up to n tokens per row from `logits` onwards; rows stop independently at eos.
+
+    `step(token, slot)` produces the next logits; the default is `decode_one_token` on the KV cache.
+    Returns (new tokens per row, forward passes made).
+    """
+    step = step or (lambda token, slot: decode_one_token(model, batch, token, slot))
+    B, slot = batch.tokens.shape
+    out: list[list[int]] = [[] for _ in range(B)]
+    done = torch.zeros(B, dtype=torch.bool)
+    passes = 0
+    for i in range(n):
+        token = sample_next(logits, sampling, generator)
+        for row in range(B):
+            if done[row]:
+                continue
+            t = int(token[row])
+            if t == eos_id:
+                done[row] = True
+                continue
+            out[row].append(t)
+            if on_token:
+                on_token(row, t)
+        if bool(done.all()) or i == n - 1:
+            break
+        logits = step(token, slot + i)
+        passes += 1
+    return out, passes
+
+
+def _uncached_step(model: Transformer, batch: Batch) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """A `decode_n_tokens` step that recomputes the whole sequence every token (the no-cache baseline)."""
+    seq = batch.tokens
+
+    def step(token: torch.Tensor, slot: int) -> torch.Tensor:
+        nonlocal seq
+        seq = torch.cat([seq, token.unsqueeze(1)], dim=1)
+        T = seq.shape[1]
+        logits, _ = model(seq, positions=batch.positions(0, T), attn_mask=batch.attn_mask(0, T))
+        return logits[:, -1]
+
+    return step
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    pad_id: int,
+    eos_id: int | None,
+    sampling: SamplingConfig = SamplingConfig(),
+    on_token: TokenCallback | None = None,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> GenerationResult:
+    """Generate up to `max_new_tokens` after each prompt (a list of token ids per row)."""
+    check_lengths(model, prompts, max_new_tokens)
+    batch = Batch.from_prompts(prompts, pad_id)
+    t0 = time.perf_counter()
+    if use_cache:
+        model.setup_cache(len(prompts), batch.tokens.shape[1] + max_new_tokens)
+        logits = prefill(model, batch)
+        step = None
+    else:
+        T = batch.tokens.shape[1]
+        logits = model(batch.tokens, positions=batch.positions(0, T), attn_mask=batch.attn_mask(0, T))[0][:, -1]
+        step = _uncached_step(model, batch)
+    tokens, passes = decode_n_tokens(model, batch, logits, max_new_tokens, sampling, eos_id, on_token, generator, step)
+    return GenerationResult(tokens, sum(len(p) for p in prompts), passes + 1, time.perf_counter() - t0)

@@ -1,0 +1,52 @@
+"""Turning logits into a next token: greedy, temperature, top-k, top-p (nucleus, Holtzman et al. 2019)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from diffar.errors import DiffarError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise DiffarError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise DiffarError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise DiffarError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """(B, V) logits -> (B, V) the distribution sampling draws from (after temperature, top-k, top-p)."""
+    logits = logits.float() / cfg.temperature
+    if cfg.top_k and cfg.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if cfg.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Drop a token when the tokens ranked above it already cover top_p; the top token always stays.
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= cfg.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(B, V) logits -> (B,) token ids."""
+    if cfg.greedy:
+        return logits.argmax(dim=-1)
+    return torch.multinomial(probabilities(logits, cfg), 1, generator=generator).squeeze(-1)

@@ -1,0 +1,36 @@
+"""Text-quality metrics, computed by the reference libraries (sacrebleu, rouge-score), never re-implemented."""
+
+from __future__ import annotations
+
+import math
+
+import sacrebleu
+from rouge_score import rouge_scorer
+
+
+def bleu4(hypotheses: list[str], references: list[str]) -> float:
+    """Corpus BLEU-4 (sacrebleu defaults: 13a tokenisation, exponential smoothing off), 0-100."""
+    return sacrebleu.corpus_bleu(hypotheses, [references]).score
+
+
+def chrf(hypotheses: list[str], references: list[str]) -> float:
+    return sacrebleu.corpus_chrf(hypotheses, [references]).score
+
+
+def rouge_l(hypotheses: list[str], references: list[str]) -> float:
+    """Mean ROUGE-L F1 over sentence pairs, 0-100."""
+    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    scores = [scorer.score(ref, hyp)["rougeL"].fmeasure for hyp, ref in zip(hypotheses, references)]
+    return 100 * sum(scores) / max(1, len(scores))
+
+
+def text_metrics(hypotheses: list[str], references: list[str]) -> dict[str, float]:
+    return {
+        "bleu4": round(bleu4(hypotheses, references), 2),
+        "chrf": round(chrf(hypotheses, references), 2),
+        "rougeL": round(rouge_l(hypotheses, references), 2),
+    }
+
+
+def perplexity(mean_nll: float) -> float:
+    return math.exp(min(mean_nll, 50.0))

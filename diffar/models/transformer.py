@@ -1,0 +1,193 @@
+"""Decoder-only transformer: RoPE, RMSNorm, SwiGLU, tied embeddings, PyTorch SDPA.
+
+Used as the AR baseline and as the AR stream of the diffusion models. For seq2seq it reads
+`source <sep> target` causally with the loss on the target only (data/batching.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffar.errors import DiffarError
+from diffar.models.kv_cache import KVCache
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(n_layer=2, n_head=4, d_model=64, max_seq_len=320),  # tests
+    "small": dict(n_layer=6, n_head=8, d_model=256, max_seq_len=512),  # shipped models, ~6.9M params at 8k vocab
+}
+
+
+@dataclass
+class TransformerConfig:
+    vocab_size: int = 8192
+    n_layer: int = 6
+    n_head: int = 8
+    d_model: int = 256
+    max_seq_len: int = 512
+    ffn_hidden: int = field(default=0)  # 0: 8/3 * d_model rounded up to a multiple of 64 (LLaMA's SwiGLU sizing)
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    preset: str = ""
+
+    def __post_init__(self):
+        if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
+            raise DiffarError(f"d_model {self.d_model} must split into {self.n_head} heads of even width")
+        if not self.ffn_hidden:
+            self.ffn_hidden = 64 * math.ceil(8 * self.d_model / 3 / 64)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> TransformerConfig:
+        if name not in PRESETS:
+            raise DiffarError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides, "preset": name})
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TransformerConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(head_dim: int, max_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, D) by per-row angles (B, T, D/2) (RoFormer, arXiv 2104.09864; half-split layout)."""
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x, cos, sin, attn_mask, cache_start):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache_start is not None:
+            k, v = self.kv_cache.update(cache_start, k, v)
+        if attn_mask is None and 1 < T != k.shape[2]:
+            raise ValueError("a multi-token forward after cached tokens needs an explicit attn_mask")
+        # Without a mask: causal, and a single new token sees the whole cache.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and T > 1)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    """Shazeer 2020, "GLU Variants Improve Transformer" (arXiv 2002.05202)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)
+        self.down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.attn_norm, self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps), RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn, self.ffn = Attention(cfg), SwiGLU(cfg)
+
+    def forward(self, x, cos, sin, attn_mask, cache_start):
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, cache_start)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
+            if name.endswith(("attn.proj.weight", "ffn.down.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(m: nn.Module):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def setup_cache(self, batch_size: int, max_len: int | None = None) -> None:
+        """Allocate (or reallocate) a KV cache of `max_len` slots per layer."""
+        max_len = max_len or self.config.max_seq_len
+        dtype = self.tok_emb.weight.dtype
+        for block in self.blocks:
+            block.attn.kv_cache = KVCache(batch_size, self.config.n_head, max_len, self.config.head_dim, dtype).to(
+                self.tok_emb.weight.device
+            )
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        cache_start: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens (B, T) -> (logits (B, T, V), loss or None).
+
+        positions (B, T): RoPE positions, default 0..T-1 (or cache_start.. when cached).
+        attn_mask (B, 1, T, K) bool, True = attend; None means causal with no padding.
+        cache_start: write keys/values at these cache slots and attend over slots [0, cache_start+T).
+        """
+        B, T = tokens.shape
+        if positions is None:
+            start = cache_start or 0
+            positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
+        if int(positions.max()) >= self.config.max_seq_len:
+            raise DiffarError(f"sequence longer than the model's context ({self.config.max_seq_len} tokens)")
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        x = self.tok_emb(tokens)
+        for block in self.blocks:
+            x = block(x, cos, sin, attn_mask, cache_start)
+        logits = self.lm_head(self.norm(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+        return logits, loss
