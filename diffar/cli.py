@@ -154,11 +154,18 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
                        help=f"(default {f.default})")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and exit status 2) like every other diffar error."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from diffar.data.corpora import EMBEDDED
     from diffar.models.transformer import PRESETS
 
-    parser = argparse.ArgumentParser(prog="diffar", description="Fast text generation: diffusion fused with AR.")
+    parser = _Parser(prog="diffar", description="Fast text generation: diffusion fused with AR.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     corpora = f"an embedded corpus ({', '.join(EMBEDDED)}), a text file/folder, or a JSONL of source/target"
 

@@ -25,6 +25,7 @@ class Tokenizer:
         if missing:
             raise DiffarError(f"tokenizer lacks special tokens {missing}; train one with `diffar tokenizer train`")
         self.hf = hf
+        self.hf.encode_special_tokens = True  # "<sep>" typed by a user is text, not the separator
         self.pad_id, self.bos_id, self.eos_id, self.sep_id, self.mask_id = (hf.token_to_id(t) for t in SPECIAL_TOKENS)
 
     @property

@@ -1,7 +1,7 @@
 """Corpora: the two embedded ones under data/, and a user's own text or JSONL.
 
 A corpus is either *continuation* (a list of documents) or *seq2seq* (a list of source/target pairs).
-Embedded corpora are named (`shakespeare`, `kjv2web`); anything else is a path:
+Embedded corpora are named (`shakespeare`, `kjv2web`) and have fixed splits; anything else is a path:
   - a `.jsonl` / `.jsonl.gz` file of {"source", "target"} records  -> seq2seq
   - a text file, or a folder of `*.txt` files                        -> continuation (one document each)
 """
@@ -74,8 +74,27 @@ def _read_text(path: Path) -> str:
         raise DiffarError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from e
 
 
+HOLDOUT_EVERY = 20  # a user's own data: 1 pair in 20, or the last 1/20 of each document, is the valid split
+
+
+def _user_split(corpus: Corpus, split: str) -> Corpus:
+    """train/valid of a user's file or folder; `test` is all of it (a separate file is the test set)."""
+    if split == "test":
+        return corpus
+    keep = (lambda i: i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1) if split == "valid" else \
+        (lambda i: i % HOLDOUT_EVERY != HOLDOUT_EVERY - 1)
+    if corpus.task == "seq2seq":
+        pairs = [p for i, p in enumerate(corpus.pairs) if keep(i)]
+        if not pairs:
+            raise DiffarError(f"{corpus.name} has too few records to hold out a {split} split; pass --valid-corpus")
+        return Corpus(corpus.name, corpus.task, pairs=pairs)
+    cuts = [len(d) - len(d) // HOLDOUT_EVERY for d in corpus.documents]
+    docs = [d[c:] if split == "valid" else d[:c] for d, c in zip(corpus.documents, cuts)]
+    return Corpus(corpus.name, corpus.task, documents=[d for d in docs if d])
+
+
 def load_corpus(name_or_path: str, split: str = "train") -> Corpus:
-    """Load an embedded corpus split by name, or a user's file/folder (which has no splits)."""
+    """Load a split of an embedded corpus by name, or of a user's file or folder (see `_user_split`)."""
     if split not in SPLITS:
         raise DiffarError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
     if name_or_path in EMBEDDED:
@@ -91,10 +110,12 @@ def load_corpus(name_or_path: str, split: str = "train") -> Corpus:
         files = sorted(path.glob("*.txt"))
         if not files:
             raise DiffarError(f"folder {path} holds no *.txt files")
-        return Corpus(path.name, "continuation", documents=[_read_text(f) for f in files])
-    if path.name.endswith((".jsonl", ".jsonl.gz")):
-        return Corpus(path.name, "seq2seq", pairs=_pairs(_read_jsonl(path), path))
-    text = _read_text(path)
-    if not text.strip():
-        raise DiffarError(f"{path} is empty")
-    return Corpus(path.name, "continuation", documents=[text])
+        corpus = Corpus(path.name, "continuation", documents=[_read_text(f) for f in files])
+    elif path.name.endswith((".jsonl", ".jsonl.gz")):
+        corpus = Corpus(path.name, "seq2seq", pairs=_pairs(_read_jsonl(path), path))
+    else:
+        text = _read_text(path)
+        if not text.strip():
+            raise DiffarError(f"{path} is empty")
+        corpus = Corpus(path.name, "continuation", documents=[text])
+    return _user_split(corpus, split)

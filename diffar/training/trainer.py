@@ -163,11 +163,15 @@ class Trainer:
             loss = loss.detach()
             loss_sum += loss.item() / cfg.grad_accum
             tokens += int((batch["targets"] != -100).sum())
+        if self.ddp is not None:  # log the global batch's loss, not this rank's share
+            stats = torch.tensor([loss_sum, tokens], dtype=torch.float64)
+            dist.all_reduce(stats)
+            loss_sum, tokens = float(stats[0]) / self.world, int(stats[1])
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return loss_sum, tokens * self.world
+        return loss_sum, tokens
 
     def fit(self) -> dict:
         """Train to cfg.max_steps, resuming from the run folder if it holds a checkpoint.

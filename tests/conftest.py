@@ -1,0 +1,58 @@
+"""Shared fixtures: a small tokenizer and `tiny` models trained on slices of the embedded corpora."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffar.data.corpora import load_corpus
+from diffar.models.transformer import Transformer, TransformerConfig
+from diffar.tokenizer import train_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    texts = load_corpus("kjv2web", "valid").texts() + [d[:20000] for d in load_corpus("shakespeare", "valid").documents]
+    return train_tokenizer(texts, vocab_size=512)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_path(tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tok.json"
+    tokenizer.save(path)
+    return path
+
+
+@pytest.fixture
+def tiny_model():
+    torch.manual_seed(0)
+    return Transformer(TransformerConfig.from_preset("tiny", vocab_size=512)).eval()
+
+
+def run_cli(*args: str, input: str | None = None, timeout: int = 300, env: dict | None = None):
+    """Run `python -m diffar.cli ARGS`; returns the CompletedProcess (text mode)."""
+    return subprocess.run(
+        [sys.executable, "-m", "diffar.cli", *map(str, args)], input=input, capture_output=True, text=True,
+        timeout=timeout, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+
+
+TINY_TRAIN = ("--preset", "tiny", "--batch-size", "8", "--eval-every", "5", "--eval-examples", "16",
+              "--save-every", "5", "--warmup-steps", "2", "--threads", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tokenizer_path, tmp_path_factory):
+    """A `tiny` seq2seq model trained for 10 steps through the CLI (a run folder)."""
+    out = tmp_path_factory.mktemp("runs") / "tiny-kjv"
+    proc = run_cli("train", "ar", "--corpus", "kjv2web", "--tokenizer", tokenizer_path, "--out", out,
+                   "--max-steps", "10", "--block-size", "128", *TINY_TRAIN)
+    assert proc.returncode == 0, proc.stderr
+    return out

@@ -1,0 +1,76 @@
+import json
+
+import pytest
+import torch
+
+from diffar.checkpoint import load_checkpoint, resolve, save_run_checkpoint, write_checkpoint
+from diffar.errors import DiffarError
+
+META = {"kind": "ar", "task": "seq2seq", "corpus": "kjv2web"}
+
+
+def _meta(model):
+    return {**META, "model": model.config.to_dict()}
+
+
+def test_round_trip_gives_identical_logits(tiny_model, tokenizer, tmp_path):
+    write_checkpoint(tmp_path / "ckpt", tiny_model, _meta(tiny_model), tokenizer)
+    model, tok, meta = load_checkpoint(tmp_path / "ckpt")
+    x = torch.randint(0, 512, (2, 9))
+    torch.testing.assert_close(model(x)[0], tiny_model(x)[0], rtol=0, atol=0)
+    assert tok.sha256 == tokenizer.sha256 and meta["model"] == tiny_model.config.to_dict()
+
+
+def test_bf16_export_is_close(tiny_model, tokenizer, tmp_path):
+    write_checkpoint(tmp_path / "bf16", tiny_model, _meta(tiny_model), tokenizer, dtype=torch.bfloat16)
+    model, _, _ = load_checkpoint(tmp_path / "bf16")
+    assert model.tok_emb.weight.dtype == torch.float32  # upcast on load
+    x = torch.randint(0, 512, (1, 9))
+    torch.testing.assert_close(model(x)[0], tiny_model(x)[0], rtol=0.05, atol=0.05)
+
+
+def test_run_folder_follows_latest_and_keeps_two(tiny_model, tokenizer, tmp_path):
+    for step in (5, 10, 15):
+        save_run_checkpoint(tmp_path, step, tiny_model, _meta(tiny_model), tokenizer, {"step": step})
+    assert resolve(tmp_path).name == "ckpt-0000015"
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-0000010", "ckpt-0000015"]
+
+
+def test_interrupted_write_leaves_previous_checkpoint(tiny_model, tokenizer, tmp_path):
+    save_run_checkpoint(tmp_path, 5, tiny_model, _meta(tiny_model), tokenizer, {"step": 5})
+    (tmp_path / "ckpt-0000010.partial").mkdir()  # a crash mid-write leaves only this
+    (tmp_path / "ckpt-0000010.partial" / "model.safetensors").write_bytes(b"half")
+    model, _, meta = load_checkpoint(tmp_path)
+    assert meta["step"] == 5
+
+
+def test_missing_and_corrupt_checkpoints(tiny_model, tokenizer, tmp_path):
+    with pytest.raises(DiffarError, match="no checkpoint"):
+        load_checkpoint(tmp_path / "nothing")
+    write_checkpoint(tmp_path / "c", tiny_model, _meta(tiny_model), tokenizer)
+    (tmp_path / "c" / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(DiffarError, match="model.safetensors cannot be read"):
+        load_checkpoint(tmp_path / "c")
+    (tmp_path / "c" / "config.json").write_text("{")
+    with pytest.raises(DiffarError, match="config.json is unreadable"):
+        load_checkpoint(tmp_path / "c")
+    (tmp_path / "c" / "config.json").write_text(json.dumps({"kind": "gpt5"}))
+    with pytest.raises(DiffarError, match="no known model kind"):
+        load_checkpoint(tmp_path / "c")
+
+
+def test_weights_of_another_shape_are_rejected(tiny_model, tokenizer, tmp_path):
+    write_checkpoint(tmp_path / "c", tiny_model, {**_meta(tiny_model), "model": {**tiny_model.config.to_dict(),
+                                                                                  "n_layer": 3}}, tokenizer)
+    with pytest.raises(DiffarError, match="do not match"):
+        load_checkpoint(tmp_path / "c")
+
+
+def test_foreign_tokenizer_is_rejected(tiny_model, tokenizer, tmp_path):
+    from diffar.tokenizer import train_tokenizer
+
+    write_checkpoint(tmp_path / "c", tiny_model, _meta(tiny_model), tokenizer)
+    other = train_tokenizer(["some other text entirely"] * 10, vocab_size=300)
+    other.save(tmp_path / "other.json")
+    with pytest.raises(DiffarError, match="does not match"):
+        load_checkpoint(tmp_path / "c", tokenizer_path=tmp_path / "other.json")

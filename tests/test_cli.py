@@ -1,0 +1,134 @@
+"""The CLI end to end on a `tiny` model, and every bad input giving one line and a non-zero exit."""
+
+import json
+import shutil
+
+import pytest
+
+from tests.conftest import TINY_TRAIN, run_cli
+
+
+def assert_clean_error(proc, message: str):
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    assert message in lines[0], lines[0]
+
+
+def test_help_everywhere():
+    for args in ([], ["tokenizer", "train"], ["train", "ar"], ["export"], ["generate"], ["eval"], ["bench", "ar"]):
+        proc = run_cli(*args, "--help")
+        assert proc.returncode == 0 and "usage:" in proc.stdout
+
+
+def test_tokenizer_train(tmp_path):
+    proc = run_cli("tokenizer", "train", "--corpus", "kjv2web", "--vocab-size", "400", "--out", tmp_path / "t.json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "t.json").read_text())["model"]["type"] == "BPE"
+
+
+def test_generate_streams_and_reports_speed(tiny_run):
+    proc = run_cli("generate", "--checkpoint", tiny_run, "--prompt", "In the beginning", "--max-new-tokens", "12")
+    assert proc.returncode == 0, proc.stderr
+    assert "tokens/s" in proc.stderr and "forward passes" in proc.stderr
+    stdin = run_cli("generate", "--checkpoint", tiny_run, "--max-new-tokens", "12", input="In the beginning")
+    assert stdin.stdout == proc.stdout  # greedy: same text from stdin
+    nocache = run_cli("generate", "--checkpoint", tiny_run, "--prompt", "In the beginning", "--max-new-tokens", "12",
+                      "--no-cache")
+    assert nocache.stdout == proc.stdout
+
+
+def test_sampling_flags(tiny_run):
+    args = ("generate", "--checkpoint", tiny_run, "--prompt", "And he said", "--max-new-tokens", "16",
+            "--temperature", "1.0", "--top-k", "40", "--top-p", "0.9")
+    a, b = run_cli(*args, "--seed", "1"), run_cli(*args, "--seed", "1")
+    assert a.returncode == 0 and a.stdout == b.stdout
+
+
+def test_eval_reports_metrics_and_baseline(tiny_run, tmp_path):
+    proc = run_cli("eval", "--checkpoint", tiny_run, "--limit", "8", "--out", tmp_path / "r.json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["examples"] == 8 and report["perplexity"] > 1
+    assert set(report["model"]) == {"bleu4", "chrf", "rougeL"}
+    assert report["copy_source_baseline"]["bleu4"] > 20
+
+
+def test_export_and_bench(tiny_run, tmp_path):
+    proc = run_cli("export", "--checkpoint", tiny_run, "--out", tmp_path / "exp")
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "exp" / "train_state.pt").exists()
+    out = tmp_path / "bench.json"
+    proc = run_cli("bench", "ar", "--checkpoint", tmp_path / "exp", "--batch-sizes", "1", "2", "--new-tokens", "16",
+                   "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads(out.read_text())
+    assert {(r["method"], r["batch_size"]) for r in records} == {(m, b) for m in ("ar", "ar-nocache") for b in (1, 2)}
+    keys = {"method", "task", "batch_size", "prompt_tokens", "new_tokens", "latency_ms", "tokens_per_s",
+            "forward_passes", "device", "torch_threads"}
+    assert all(keys <= set(r) and r["new_tokens"] == 16 and r["forward_passes"] == 16 for r in records)
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+def test_missing_checkpoint():
+    assert_clean_error(run_cli("generate", "--checkpoint", "/no/such/dir", "--prompt", "x"), "no checkpoint")
+
+
+def test_corrupt_checkpoint(tiny_run, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_run, broken)
+    ckpt = broken / (broken / "latest").read_text().strip()
+    (ckpt / "model.safetensors").write_bytes(b"garbage")
+    assert_clean_error(run_cli("generate", "--checkpoint", broken, "--prompt", "x"), "corrupt checkpoint")
+
+
+def test_tokenizer_mismatch(tiny_run):
+    proc = run_cli("generate", "--checkpoint", tiny_run, "--tokenizer", "tokenizer/diffar-8k.json", "--prompt", "x")
+    assert_clean_error(proc, "does not match")
+
+
+def test_empty_prompt(tiny_run):
+    assert_clean_error(run_cli("generate", "--checkpoint", tiny_run, "--prompt", "   "), "empty prompt")
+    assert_clean_error(run_cli("generate", "--checkpoint", tiny_run, input=""), "empty prompt")
+
+
+def test_prompt_longer_than_context(tiny_run):
+    proc = run_cli("generate", "--checkpoint", tiny_run, "--prompt", "word " * 400)
+    assert_clean_error(proc, "exceeds the model's context")
+
+
+@pytest.mark.parametrize("n", ["0", "-5"])
+def test_non_positive_max_new_tokens(tiny_run, n):
+    assert_clean_error(run_cli("generate", "--checkpoint", tiny_run, "--prompt", "x", "--max-new-tokens", n),
+                       "--max-new-tokens must be positive")
+
+
+def test_unknown_preset_and_corpus(tmp_path):
+    assert_clean_error(run_cli("train", "ar", "--corpus", "kjv2web", "--preset", "huge", "--out", tmp_path),
+                       "invalid choice: 'huge'")
+    assert_clean_error(run_cli("train", "ar", "--corpus", "klingon", "--preset", "tiny", "--out", tmp_path),
+                       "unknown corpus 'klingon'")
+
+
+def test_unreadable_data_file(tmp_path):
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text("{broken\n")
+    assert_clean_error(run_cli("train", "ar", "--corpus", bad, "--preset", "tiny", "--out", tmp_path / "r"),
+                       "invalid JSON")
+    assert_clean_error(run_cli("tokenizer", "train", "--corpus", tmp_path / "nope.txt", "--out", tmp_path / "t"),
+                       "unknown corpus")
+
+
+def test_bad_training_flags(tmp_path):
+    proc = run_cli("train", "ar", "--corpus", "kjv2web", *TINY_TRAIN, "--max-steps", "0", "--out", tmp_path)
+    assert_clean_error(proc, "--max-steps must be positive")
+
+
+def test_resume_refuses_a_different_model(tiny_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    ckpt = run / (run / "latest").read_text().strip()
+    proc = run_cli("train", "ar", "--corpus", "kjv2web", "--preset", "small", "--out", run, "--max-steps", "20",
+                   "--tokenizer", ckpt / "tokenizer.json")
+    assert_clean_error(proc, "different model")

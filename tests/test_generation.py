@@ -1,0 +1,72 @@
+import pytest
+import torch
+
+from diffar.decoding.ar import generate
+from diffar.decoding.sampling import SamplingConfig, probabilities
+from diffar.errors import DiffarError
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [40]]
+
+
+def test_batched_with_padding_equals_one_by_one(tiny_model):
+    batched = generate(tiny_model, PROMPTS, 24, pad_id=0, eos_id=None)
+    for row, prompt in enumerate(PROMPTS):
+        alone = generate(tiny_model, [prompt], 24, pad_id=0, eos_id=None)
+        assert batched.tokens[row] == alone.tokens[0]
+
+
+def test_cached_equals_uncached_generation(tiny_model):
+    cached = generate(tiny_model, PROMPTS, 16, pad_id=0, eos_id=None)
+    uncached = generate(tiny_model, PROMPTS, 16, pad_id=0, eos_id=None, use_cache=False)
+    assert cached.tokens == uncached.tokens
+    assert cached.forward_passes == uncached.forward_passes == 16
+
+
+def test_rows_stop_independently_at_eos(tiny_model):
+    free = generate(tiny_model, PROMPTS, 12, pad_id=0, eos_id=None)
+    eos = free.tokens[1][-1]  # pretend row 1's last token is eos
+    stopped = generate(tiny_model, PROMPTS, 12, pad_id=0, eos_id=eos)
+    for row, expected in enumerate(free.tokens):
+        cut = expected.index(eos) if eos in expected else len(expected)
+        assert stopped.tokens[row] == expected[:cut]
+    assert len(stopped.tokens[1]) < 12
+
+
+def test_streaming_callback_sees_every_token_in_order(tiny_model):
+    seen = {0: [], 1: []}
+    result = generate(tiny_model, PROMPTS[:2], 10, pad_id=0, eos_id=None, on_token=lambda r, t: seen[r].append(t))
+    assert [seen[0], seen[1]] == result.tokens
+
+
+def test_sampling_is_seeded(tiny_model):
+    cfg = SamplingConfig(temperature=1.0, top_k=50, top_p=0.9)
+    a = generate(tiny_model, PROMPTS, 10, pad_id=0, eos_id=None, sampling=cfg, generator=torch.Generator().manual_seed(3))
+    b = generate(tiny_model, PROMPTS, 10, pad_id=0, eos_id=None, sampling=cfg, generator=torch.Generator().manual_seed(3))
+    c = generate(tiny_model, PROMPTS, 10, pad_id=0, eos_id=None, sampling=cfg, generator=torch.Generator().manual_seed(4))
+    assert a.tokens == b.tokens != c.tokens
+
+
+def test_top_k_and_top_p_filter_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
+    assert (probabilities(logits, SamplingConfig(1.0, top_k=2)) > 0).sum() == 2
+    p = probabilities(logits, SamplingConfig(1.0, top_p=0.7))  # 0.5 + 0.25 covers 0.7
+    torch.testing.assert_close(p, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
+    p = probabilities(logits, SamplingConfig(1.0, top_p=0.01))  # the top token always survives
+    torch.testing.assert_close(p, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-1.0), "temperature"), (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"),
+])
+def test_bad_sampling_settings(kwargs, message):
+    with pytest.raises(DiffarError, match=message):
+        SamplingConfig(**kwargs)
+
+
+def test_bad_lengths(tiny_model):
+    with pytest.raises(DiffarError, match="empty prompt"):
+        generate(tiny_model, [[]], 4, pad_id=0, eos_id=None)
+    with pytest.raises(DiffarError, match="max-new-tokens"):
+        generate(tiny_model, [[5]], 0, pad_id=0, eos_id=None)
+    with pytest.raises(DiffarError, match="context"):
+        generate(tiny_model, [[5] * 300], 100, pad_id=0, eos_id=None)

@@ -1,0 +1,89 @@
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from diffar.data.batching import build_dataset
+from diffar.data.corpora import load_corpus
+from diffar.models.transformer import Transformer, TransformerConfig
+from diffar.training.trainer import Trainer, TrainConfig, lr_at
+from tests.conftest import ROOT, TINY_TRAIN, run_cli
+
+
+def _trainer(tokenizer, run_dir, seed=0, **cfg):
+    corpus = load_corpus("shakespeare", "valid")
+    data = build_dataset(corpus, tokenizer, block_size=64)
+    torch.manual_seed(seed)
+    model = Transformer(TransformerConfig.from_preset("tiny", vocab_size=tokenizer.vocab_size))
+    meta = {"kind": "ar", "model": model.config.to_dict(), "task": "continuation", "corpus": "shakespeare"}
+    defaults = dict(max_steps=8, batch_size=4, warmup_steps=2, eval_every=4, eval_examples=8, save_every=2,
+                    lr=3e-3)
+    return Trainer(model, data, data, TrainConfig(**{**defaults, **cfg}), run_dir, meta, tokenizer)
+
+
+def _losses(run_dir):
+    """The metrics log without its timing column."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
+
+
+def test_lr_schedule():
+    cfg = TrainConfig(max_steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(100, cfg) == pytest.approx(0.1)
+    assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 100))
+
+
+def test_short_training_lowers_validation_loss(tokenizer, tmp_path):
+    trainer = _trainer(tokenizer, tmp_path, max_steps=40, eval_every=40, save_every=40)
+    before = trainer.evaluate()
+    after = trainer.fit()["val_loss"]
+    assert after < before - 0.5, (before, after)
+
+
+def test_killed_run_resumes_exactly(tokenizer, tmp_path):
+    reference = _trainer(tokenizer, tmp_path / "ref")
+    reference.fit()
+
+    crashed = _trainer(tokenizer, tmp_path / "crash")
+    real_step = crashed.train_step
+
+    def dying_step():
+        if crashed.step == 5:  # after the step-4 checkpoint and one more logged step
+            raise RuntimeError("simulated kill")
+        return real_step()
+
+    crashed.train_step = dying_step
+    with pytest.raises(RuntimeError, match="simulated kill"):
+        crashed.fit()
+    assert (tmp_path / "crash" / "latest").read_text().strip() == "ckpt-0000004"
+    assert len(_losses(tmp_path / "crash")) == 5
+    resumed = _trainer(tokenizer, tmp_path / "crash", seed=99)  # different init: must be overwritten
+    resumed.fit()
+    assert _losses(tmp_path / "crash") == _losses(tmp_path / "ref")
+
+
+def test_ctrl_c_saves_and_resumes(tokenizer_path, tmp_path):
+    """A real process: SIGINT finishes the step, saves, exits 2 with a one-line message; rerun completes."""
+    args = ["train", "ar", "--corpus", "shakespeare", "--tokenizer", tokenizer_path, "--block-size", "64",
+            *TINY_TRAIN, "--max-steps", "300", "--save-every", "1000", "--eval-every", "1000"]
+    proc = subprocess.Popen([sys.executable, "-m", "diffar.cli", *map(str, args), "--out", str(tmp_path / "run")],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "interrupted at step" in err and "Traceback" not in err
+    stopped_at = int(err.split("interrupted at step ")[1].split(";")[0])
+    assert 3 <= stopped_at < 300
+    assert (tmp_path / "run" / "latest").read_text().strip() == f"ckpt-{stopped_at:07d}"
+    done = run_cli(*args, "--out", tmp_path / "run")
+    assert done.returncode == 0, done.stderr
+    assert f"resuming at step {stopped_at}" in done.stdout
+    assert [r["step"] for r in _losses(tmp_path / "run")] == list(range(1, 301))
