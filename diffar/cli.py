@@ -41,7 +41,8 @@ def cmd_train(args) -> None:
     from diffar.tokenizer import Tokenizer
     from diffar.training.trainer import Trainer
 
-    torch.set_num_threads(args.threads) if args.threads else None
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cfg = _train_config(args)
     tokenizer = Tokenizer.load(args.tokenizer)
     model_cfg = TransformerConfig.from_preset(args.preset, vocab_size=tokenizer.vocab_size)
@@ -110,6 +111,7 @@ def cmd_generate(args) -> None:
     result = generate(model, [ids], args.max_new_tokens, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
                       sampling=sampling, on_token=stream, generator=generator, use_cache=not args.no_cache)
     sys.stdout.write(tokenizer.decode(new)[len(printed):] + "\n")
+    sys.stdout.flush()
     print(f"[ar] {result.new_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_s:.1f} tokens/s | "
           f"{result.forward_passes} forward passes ({result.new_tokens / result.forward_passes:.2f} tokens/pass) | "
           f"prompt {len(ids)} tokens | batch 1 | {'KV cache' if not args.no_cache else 'no cache'}",
@@ -133,6 +135,21 @@ def cmd_bench_ar(args) -> None:
     records = bench_ar(args.checkpoint, args.batch_sizes, args.new_tokens, args.repeats)
     print_table(records)
     write_records(records, args.out)
+
+
+# ---- serve ----------------------------------------------------------------------------------------
+def cmd_serve(args) -> None:
+    import uvicorn
+
+    from diffar.checkpoint import load_checkpoint
+    from diffar.serving.app import create_app
+
+    if args.method != "ar":
+        raise DiffarError(f"method {args.method!r} is not implemented yet; serve with --method ar")
+    model, tokenizer, meta = load_checkpoint(args.checkpoint)
+    app = create_app(model, tokenizer, meta, args.model_id or Path(args.checkpoint).resolve().name,
+                     max_batch_size=args.max_batch_size, window_ms=args.batch_window_ms, max_queue=args.max_queue)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, backlog=4096)
 
 
 # ---- parser ---------------------------------------------------------------------------------------
@@ -228,6 +245,18 @@ def build_parser() -> argparse.ArgumentParser:
     bar.add_argument("--repeats", type=_positive_int, default=1)
     bar.add_argument("--out", required=True, help="JSON file to write")
     bar.set_defaults(func=cmd_bench_ar)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with dynamic batching and streaming")
+    sv.add_argument("--checkpoint", required=True)
+    sv.add_argument("--method", default="ar", help="decoding method (ar; dd2 and refusion once they land)")
+    sv.add_argument("--model-id", help="the model name clients use (default: the checkpoint folder's name)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-batch-size", type=_positive_int, default=16)
+    sv.add_argument("--batch-window-ms", type=float, default=10.0, help="how long a batch waits to fill")
+    sv.add_argument("--max-queue", type=_positive_int, default=4096, help="waiting requests before 429")
+    sv.add_argument("--log-level", default="warning")
+    sv.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -38,6 +38,13 @@ def test_streaming_callback_sees_every_token_in_order(tiny_model):
     assert [seen[0], seen[1]] == result.tokens
 
 
+def test_callback_can_stop_one_row(tiny_model):
+    free = generate(tiny_model, PROMPTS, 10, pad_id=0, eos_id=None)
+    stopped = generate(tiny_model, PROMPTS, 10, pad_id=0, eos_id=None, on_token=lambda r, t: r != 2)
+    assert stopped.tokens[2] == free.tokens[2][:1]
+    assert [t for r, t in enumerate(stopped.tokens) if r != 2] == [t for r, t in enumerate(free.tokens) if r != 2]
+
+
 def test_sampling_is_seeded(tiny_model):
     cfg = SamplingConfig(temperature=1.0, top_k=50, top_p=0.9)
     a = generate(tiny_model, PROMPTS, 10, pad_id=0, eos_id=None, sampling=cfg, generator=torch.Generator().manual_seed(3))

@@ -18,7 +18,9 @@ from diffar.decoding.sampling import SamplingConfig, sample_next
 from diffar.errors import DiffarError
 from diffar.models.transformer import Transformer
 
-TokenCallback = Callable[[int, int], None]  # (row, token id), called as each token is produced
+# (row, token id), called as each token is produced; returning False stops that row (a stop string,
+# its own token budget, a client that went away) while the other rows go on.
+TokenCallback = Callable[[int, int], bool | None]
 
 
 @dataclass
@@ -129,8 +131,8 @@ def decode_n_tokens(
                 done[row] = True
                 continue
             out[row].append(t)
-            if on_token:
-                on_token(row, t)
+            if on_token and on_token(row, t) is False:
+                done[row] = True
         if bool(done.all()) or i == n - 1:
             break
         logits = step(token, slot + i)

@@ -1,0 +1,207 @@
+"""The FastAPI app: OpenAI-compatible completions and chat completions over the batching engine,
+server-sent-event streaming, Prometheus metrics, and errors in OpenAI's shape (4xx, never a 500)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException
+
+from diffar.data.batching import prompt_ids
+from diffar.decoding.sampling import SamplingConfig
+from diffar.serving.engine import BatchStats, Engine, Event, QueueFull, Request
+from diffar.serving.protocol import METHODS, ChatCompletionRequest, CompletionRequest, error_body
+
+STATIC = Path(__file__).resolve().parent / "static"
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None):
+        self.status, self.body = status, error_body(message, type_, code, param)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("diffar_requests", "HTTP requests", ["path", "status"], registry=self.registry)
+        self.errors = Counter("diffar_errors", "HTTP responses with status >= 400", ["path", "status"],
+                              registry=self.registry)
+        self.latency = Histogram("diffar_request_latency_seconds", "request latency", ["path"],
+                                 buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=self.registry)
+        self.batch_size = Histogram("diffar_batch_size", "requests decoded together",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
+        self.tokens = Counter("diffar_generated_tokens", "tokens generated", registry=self.registry)
+        self.tokens_per_s = Gauge("diffar_tokens_per_second", "tokens/s of the last batch", registry=self.registry)
+        self.queued = Gauge("diffar_queue_depth", "requests waiting for a batch", registry=self.registry)
+
+    def observe_batch(self, stats: BatchStats) -> None:
+        self.batch_size.observe(stats.size)
+        self.tokens.inc(stats.new_tokens)
+        self.tokens_per_s.set(stats.new_tokens / stats.seconds if stats.seconds > 0 else 0.0)
+
+
+def create_app(model, tokenizer, meta: dict, model_id: str, *, max_batch_size: int = 16, window_ms: float = 10.0,
+               max_queue: int = 4096) -> FastAPI:
+    metrics = Metrics()
+    engine = Engine(model, tokenizer, max_batch_size=max_batch_size, window_ms=window_ms, max_queue=max_queue,
+                    on_batch=metrics.observe_batch)
+    task, served_methods = meta["task"], ("ar",)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="diffar", version="0.1.0", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.exception_handler(APIError)
+    async def api_error(_, exc: APIError):
+        return JSONResponse(exc.body, status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return JSONResponse(error_body("malformed JSON body", "invalid_request_error", "invalid_json"), 400)
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+        return JSONResponse(error_body(message, "invalid_request_error", "invalid_request", where or None), 400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, exc: HTTPException):
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error", str(exc.status_code)),
+                            exc.status_code)
+
+    @app.middleware("http")
+    async def count(request: HTTPRequest, call_next):
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        path = request.url.path if request.url.path in KNOWN_PATHS else "other"
+        metrics.requests.labels(path, str(response.status_code)).inc()
+        if response.status_code >= 400:
+            metrics.errors.labels(path, str(response.status_code)).inc()
+        metrics.latency.labels(path).observe(time.perf_counter() - t0)
+        return response
+
+    def make_request(body, text: str) -> Request:
+        if body.model not in (None, model_id):
+            raise APIError(404, f"model {body.model!r} does not exist; this server has {model_id!r}",
+                           code="model_not_found", param="model")
+        if body.method not in METHODS:
+            raise APIError(400, f"unknown method {body.method!r}; choose one of {', '.join(METHODS)}", param="method")
+        if body.method not in served_methods:
+            raise APIError(400, f"method {body.method!r} is not served here (serving: {', '.join(served_methods)})",
+                           param="method")
+        if not text.strip():
+            raise APIError(400, "empty prompt", param="prompt")
+        ids = prompt_ids(tokenizer, task, text)
+        room = engine.context - len(ids)
+        max_tokens = body.max_tokens or min(256, room)
+        if room <= 0 or max_tokens > room:
+            raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+                                f"{engine.context} tokens", code="context_length_exceeded", param="max_tokens")
+        return Request(ids, max_tokens, SamplingConfig(body.temperature, body.top_k, body.top_p),
+                       stop=body.stop_list(), seed=body.seed)
+
+    async def events(req: Request) -> AsyncIterator[Event]:
+        """The request's events until its final one; a consumer that stops early cancels the request."""
+        try:
+            while True:
+                event = await req.events.get()
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            req.cancelled.set()
+
+    def submit(req: Request) -> None:
+        try:
+            engine.submit(req)
+        except QueueFull:
+            raise APIError(429, "server busy: the request queue is full, retry later", "rate_limit_error",
+                           code="queue_full") from None
+        metrics.queued.set(engine.queued())
+
+    async def respond(body, text: str, chat: bool):
+        req = make_request(body, text)
+        submit(req)
+        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+
+        def choice(text: str, finish: str | None, first: bool = False) -> dict:
+            if chat and body.stream:
+                delta = {"content": text} | ({"role": "assistant"} if first else {})
+                return {"index": 0, "delta": delta, "finish_reason": finish}
+            if chat:
+                return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+
+        if body.stream:
+            async def sse():
+                first = True
+                async for ev in events(req):
+                    if ev.error:
+                        yield f"data: {json.dumps(error_body(ev.error, 'server_error'))}\n\n"
+                        return
+                    chunk = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
+                             "model": model_id, "choices": [choice(ev.text, ev.finish_reason, first)]}
+                    first = False
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream")
+
+        finish = None
+        async for ev in events(req):
+            if ev.error:
+                raise APIError(503, f"generation failed: {ev.error}", "server_error")
+            finish = ev.finish_reason
+        latency = time.perf_counter() - req.submitted
+        n = len(req.tokens)
+        return {"id": rid, "object": obj, "created": created, "model": model_id,
+                "choices": [choice(req.text, finish)],
+                "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": n,
+                          "total_tokens": len(req.prompt_ids) + n},
+                "diffar": {"method": body.method, "latency_ms": round(1000 * latency, 1),
+                           "tokens_per_s": round(n / latency, 1) if latency > 0 else None}}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await respond(body, body.prompt, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        return await respond(body, body.prompt_text(task), chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "diffar",
+                                            "task": task, "methods": list(served_methods)}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_id, "queued": engine.queued()}
+
+    @app.get("/metrics")
+    async def prometheus():
+        metrics.queued.set(engine.queued())
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(STATIC / "index.html")
+
+    KNOWN_PATHS = {r.path for r in app.routes}
+    return app

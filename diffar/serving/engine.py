@@ -1,0 +1,184 @@
+"""Dynamic batching: requests that arrive within a short window are decoded together.
+
+A single worker thread owns the model. It takes the oldest waiting request, waits up to `window_ms` for
+more with the same sampling settings (up to `max_batch_size`), and decodes them as one left-padded batch;
+each row stops on its own (eos, its token budget, a stop string, or its client going away). Tokens are
+handed to the asyncio side as they are produced, so streaming clients see them live. The waiting line is
+bounded: a full line refuses new requests instead of growing without limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from diffar.decoding.ar import generate
+from diffar.decoding.sampling import SamplingConfig
+from diffar.tokenizer import Tokenizer
+
+
+class QueueFull(Exception):
+    """The waiting line is at capacity; the caller should retry later (HTTP 429)."""
+
+
+@dataclass
+class Event:
+    """What a request's consumer receives: text deltas, then one final event."""
+
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | None while running
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingConfig
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    # filled in by the worker
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    stop_hit: bool = False
+
+    def batch_key(self) -> tuple:
+        """Requests batch together only when one sampling procedure serves them all."""
+        return (self.sampling, self.seed) if not self.sampling.greedy else (self.sampling,)
+
+    def emit(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def push(self, token: int, tokenizer: Tokenizer) -> bool:
+        """Take one generated token, stream what is safe to show; False once the request is finished.
+
+        Text that could be the start of a stop string is held back until it is known not to be one.
+        """
+        if self.cancelled.is_set():
+            return False
+        self.tokens.append(token)
+        text = tokenizer.decode(self.tokens)
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stop_hit = True
+            self._show(text[:cut])
+            return False
+        if not text.endswith("\ufffd"):  # else half of a multi-byte character: wait for the rest
+            self._show(text[: len(text) - _stop_prefix_len(text, self.stop)])
+        return len(self.tokens) < self.max_tokens
+
+    def finish(self, tokenizer: Tokenizer) -> None:
+        if not self.stop_hit:
+            self._show(tokenizer.decode(self.tokens))
+        stopped = self.stop_hit or len(self.tokens) < self.max_tokens
+        self.emit(Event(finish_reason="stop" if stopped else "length"))
+
+    def _show(self, text: str) -> None:
+        if len(text) > len(self.text):
+            self.emit(Event(text=text[len(self.text):]))
+            self.text = text
+
+
+def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that begins some stop string."""
+    return max((k for s in stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])), default=0)
+
+
+@dataclass
+class BatchStats:
+    size: int
+    new_tokens: int
+    seconds: float
+
+
+class Engine:
+    """Owns one AR model and its worker thread."""
+
+    def __init__(self, model, tokenizer: Tokenizer, *, max_batch_size: int = 16, window_ms: float = 10.0,
+                 max_queue: int = 4096, on_batch=None):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch_size, self.window = max_batch_size, window_ms / 1000
+        self.incoming: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
+        self.on_batch = on_batch  # called with BatchStats after every batch (metrics)
+        self._held: deque[Request] = deque()  # taken from `incoming` but not yet batched
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="diffar-engine", daemon=True)
+
+    @property
+    def context(self) -> int:
+        return self.model.config.max_seq_len
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def submit(self, request: Request) -> Request:
+        request.loop = request.loop or asyncio.get_running_loop()
+        try:
+            self.incoming.put_nowait(request)
+        except queue.Full:
+            raise QueueFull from None
+        return request
+
+    def queued(self) -> int:
+        return self.incoming.qsize() + len(self._held)
+
+    # ---- worker -----------------------------------------------------------------------------------
+    def _next(self, timeout: float) -> Request | None:
+        if self._held:
+            return self._held.popleft()
+        try:
+            return self.incoming.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def _collect(self) -> list[Request]:
+        first = self._next(timeout=0.1)
+        if first is None:
+            return []
+        batch, key, deadline, passed = [first], first.batch_key(), time.perf_counter() + self.window, []
+        while len(batch) < self.max_batch_size:
+            nxt = self._next(timeout=max(0.0, deadline - time.perf_counter()))
+            if nxt is None:
+                break
+            (batch if nxt.batch_key() == key else passed).append(nxt)
+        self._held.extendleft(reversed(passed))  # keep arrival order for the next batch
+        return [r for r in batch if not r.cancelled.is_set()]
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                batch = self._collect()
+                if batch:
+                    self._decode(batch)
+
+    def _decode(self, batch: list[Request]) -> None:
+        tok = self.tokenizer
+        generator = torch.Generator().manual_seed(batch[0].seed) if batch[0].seed is not None else None
+        t0 = time.perf_counter()
+        try:
+            generate(self.model, [r.prompt_ids for r in batch], max(r.max_tokens for r in batch),
+                     pad_id=tok.pad_id, eos_id=tok.eos_id, sampling=batch[0].sampling,
+                     on_token=lambda row, token: batch[row].push(token, tok), generator=generator)
+        except Exception as e:  # never let one bad batch kill the worker
+            for r in batch:
+                r.emit(Event(finish_reason="error", error=str(e)))
+            return
+        seconds = time.perf_counter() - t0
+        for r in batch:
+            r.finish(tok)
+        if self.on_batch:
+            self.on_batch(BatchStats(len(batch), sum(len(r.tokens) for r in batch), seconds))

@@ -1,0 +1,184 @@
+"""The HTTP server, started for real on a free loopback port, driven by the official `openai` client."""
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(checkpoint, *flags) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "diffar.cli", "serve", "--checkpoint", str(checkpoint),
+                             "--port", str(port), "--model-id", "tiny", *flags],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"server did not start: {proc.stdout.read()}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_run):
+    proc, url = start_server(tiny_run, "--max-batch-size", "8", "--batch-window-ms", "100")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_openai_client_round_trip(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    out = client.completions.create(model="tiny", prompt="And God said", max_tokens=8, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens <= 8
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "And God said"}],
+                                          max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == out.choices[0].text  # same prompt, greedy
+
+
+def test_streaming_equals_non_streaming(client):
+    full = client.completions.create(model="tiny", prompt="In the beginning", max_tokens=12, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt="In the beginning", max_tokens=12, temperature=0,
+                                            stream=True))
+    assert len(chunks) >= 2 and "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    chat = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "In the beginning"}],
+                                               max_tokens=12, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chat) == full.choices[0].text
+
+
+def test_stop_sequences(client):
+    full = client.completions.create(model="tiny", prompt="And he said", max_tokens=16, temperature=0).choices[0].text
+    assert len(full) >= 6
+    stop = full[-3:]
+    cut = client.completions.create(model="tiny", prompt="And he said", max_tokens=16, temperature=0,
+                                    stop=[stop, "never-appears"]).choices[0]
+    assert cut.text == full[: full.find(stop)] and cut.finish_reason == "stop"
+
+
+def test_batched_equals_unbatched(server):
+    prompts = [f"And the LORD said unto Moses, {w}" for w in
+               ("Go", "Speak unto the children", "Stretch out thine hand", "Take", "Behold", "Rise up early", "I", "Come")]
+
+    def body(p):
+        return {"prompt": p, "max_tokens": 10, "temperature": 0}
+
+    alone = [httpx.post(server + "/v1/completions", json=body(p), timeout=60).json()["choices"][0]["text"]
+             for p in prompts]
+    batches_before = metric(server, "diffar_batch_size_count")
+    sum_before = metric(server, "diffar_batch_size_sum")
+
+    async def together():
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await asyncio.gather(*(c.post(server + "/v1/completions", json=body(p)) for p in prompts))
+
+    batched = [r.json()["choices"][0]["text"] for r in asyncio.run(together())]
+    assert batched == alone
+    batches = metric(server, "diffar_batch_size_count") - batches_before
+    rows = metric(server, "diffar_batch_size_sum") - sum_before
+    assert rows == len(prompts) and batches < len(prompts)  # they really were decoded together
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10 ** 9}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": 42}, 400, "prompt"),
+    ({"max_tokens": 4}, 400, "prompt"),
+    ({"prompt": "   "}, 400, "prompt"),
+    ({"prompt": "word " * 400, "max_tokens": 4}, 400, "max_tokens"),
+    ({"prompt": "x", "method": "telepathy"}, 400, "method"),
+    ({"prompt": "x", "method": "dd2"}, 400, "method"),
+    ({"prompt": "x", "model": "gpt-7"}, 404, "model"),
+    ({"prompt": "x", "n": 3}, 400, "n"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "steps": 0}, 400, "steps"),
+    ({"prompt": "x", "guidance_scale": -2}, 400, "guidance_scale"),
+    ({"prompt": "x", "preset": "turbo"}, 400, "preset"),
+])
+def test_bad_requests_get_openai_shaped_4xx(server, body, status, param):
+    r = httpx.post(server + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"]
+
+
+def test_malformed_json_and_wrong_shapes(server):
+    r = httpx.post(server + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": "hello"})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400
+    assert httpx.get(server + "/v1/nothing-here").status_code == 404
+    assert "error" in httpx.get(server + "/v1/nothing-here").json()
+
+
+def test_disconnect_mid_stream_cancels_generation(server, tiny_run):
+    before = metric(server, "diffar_generated_tokens_total")
+    with httpx.stream("POST", server + "/v1/completions", timeout=60,
+                      json={"prompt": "And", "max_tokens": 200, "temperature": 0, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one token in, hang up
+    deadline = time.time() + 30
+    while metric(server, "diffar_generated_tokens_total") == before and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    generated = metric(server, "diffar_generated_tokens_total") - before
+    assert 1 <= generated < 200
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+
+
+def test_full_queue_answers_429_and_loses_nothing(tiny_run):
+    proc, url = start_server(tiny_run, "--max-batch-size", "1", "--max-queue", "2")
+    try:
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.gather(*(c.post(url + "/v1/completions",
+                                                     json={"prompt": "And", "max_tokens": 30, "temperature": 0})
+                                              for _ in range(20)))
+        codes = [r.status_code for r in asyncio.run(burst())]
+        assert set(codes) <= {200, 429} and codes.count(429) > 0 and codes.count(200) >= 2
+        assert metric(url, 'diffar_requests_total{path="/v1/completions",status="200"}') == codes.count(200)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_metrics_in_prometheus_format(server):
+    text = httpx.get(server + "/metrics").text
+    for name in ("diffar_requests_total", "diffar_errors_total", "diffar_request_latency_seconds_bucket",
+                 "diffar_batch_size_bucket", "diffar_generated_tokens_total", "diffar_tokens_per_second"):
+        assert name in text
