@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from diffar.tokenizer import Tokenizer
 FORMAT_VERSION = 1
 MODEL_KINDS = {"ar": (TransformerConfig, Transformer)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CHECKPOINT_NAME = re.compile(r"ckpt-\d{7}")
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -34,6 +36,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync(path.parent)
 
 
 def write_checkpoint(
@@ -52,9 +55,19 @@ def write_checkpoint(
     if train_state is not None:
         torch.save(train_state, tmp / "train_state.pt")
     for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+        _fsync(f)
+    _fsync(tmp)
     os.replace(tmp, folder)
+    _fsync(folder.parent)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or a folder's entries to disk, so a rename is durable, not just atomic."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_run_checkpoint(run_dir: Path, step: int, model, meta: dict, tokenizer: Tokenizer, train_state: dict,
@@ -66,7 +79,8 @@ def save_run_checkpoint(run_dir: Path, step: int, model, meta: dict, tokenizer: 
         shutil.rmtree(folder)
     write_checkpoint(folder, model, {**meta, "step": step}, tokenizer, train_state)
     _atomic_write_text(run_dir / "latest", folder.name + "\n")
-    for old in sorted(run_dir.glob("ckpt-*"))[:-keep]:
+    complete = sorted(p for p in run_dir.iterdir() if CHECKPOINT_NAME.fullmatch(p.name))
+    for old in complete[:-keep]:
         if old.name != folder.name:
             shutil.rmtree(old, ignore_errors=True)
     return folder
@@ -88,8 +102,11 @@ def read_meta(path: str | Path) -> dict:
         meta = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise DiffarError(f"corrupt checkpoint {path}: config.json is unreadable") from e
-    if not isinstance(meta, dict) or meta.get("kind") not in MODEL_KINDS or "model" not in meta:
+    if not isinstance(meta, dict) or meta.get("kind") not in MODEL_KINDS:
         raise DiffarError(f"corrupt checkpoint {path}: config.json names no known model kind")
+    if not isinstance(meta.get("model"), dict) or meta.get("task") not in ("seq2seq", "continuation") \
+            or not isinstance(meta.get("corpus"), str):
+        raise DiffarError(f"corrupt checkpoint {path}: config.json lacks its model, task or corpus")
     return meta
 
 
@@ -99,14 +116,18 @@ def load_checkpoint(path: str | Path, tokenizer_path: str | Path | None = None,
     path = resolve(path)
     meta = read_meta(path)
     config_cls, model_cls = MODEL_KINDS[meta["kind"]]
-    model = model_cls(config_cls.from_dict(meta["model"]))
+    try:
+        model = model_cls(config_cls.from_dict(meta["model"]))
+    except (TypeError, ValueError) as e:
+        raise DiffarError(f"corrupt checkpoint {path}: bad model config ({e})") from e
     try:
         missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
     except (OSError, SafetensorError, RuntimeError, ValueError) as e:
         raise DiffarError(f"corrupt checkpoint {path}: model.safetensors cannot be read") from e
     if missing or unexpected:
         raise DiffarError(f"corrupt checkpoint {path}: weights do not match config.json")
-    tokenizer = Tokenizer.load(tokenizer_path or path / "tokenizer.json")
+    tokenizer_path = tokenizer_path or path / "tokenizer.json"
+    tokenizer = Tokenizer.load(tokenizer_path)
     if tokenizer.sha256 != meta.get("tokenizer_sha256"):
         raise DiffarError(f"tokenizer {tokenizer_path} does not match the checkpoint {path} (trained with another)")
     return model.to(dtype).eval(), tokenizer, meta

@@ -50,11 +50,15 @@ def cmd_train(args) -> None:
     if block > model_cfg.max_seq_len:
         raise DiffarError(f"--block-size {block} exceeds the {args.preset} context of {model_cfg.max_seq_len}")
     train_corpus = load_corpus(args.corpus, "train")
-    valid_corpus = load_corpus(args.valid_corpus or args.corpus, "valid")
+    valid_corpus = load_corpus(args.valid_corpus, "valid", whole=True) if args.valid_corpus \
+        else load_corpus(args.corpus, "valid")
     if valid_corpus.task != train_corpus.task:
         raise DiffarError(f"--valid-corpus is a {valid_corpus.task} corpus, --corpus a {train_corpus.task} one")
     train_data = build_dataset(train_corpus, tokenizer, block)
     valid_data = build_dataset(valid_corpus, tokenizer, block)
+    for name, data in (("train", train_data), ("valid", valid_data)):
+        if getattr(data, "dropped", 0):
+            print(f"note: {data.dropped} {name} pairs longer than the {block}-token block are left out")
     torch.manual_seed(cfg.seed)
     model = Transformer(model_cfg)
     meta = {"kind": "ar", "model": model_cfg.to_dict(), "task": train_corpus.task, "corpus": train_corpus.name,
@@ -65,13 +69,12 @@ def cmd_train(args) -> None:
 
 
 def cmd_export(args) -> None:
-    from diffar.checkpoint import DTYPES, load_checkpoint, read_meta, write_checkpoint
+    from diffar.checkpoint import DTYPES, load_checkpoint, write_checkpoint
 
     out = Path(args.out)
     if out.exists():
         raise DiffarError(f"{out} already exists; remove it or choose another --out")
-    model, tokenizer, _ = load_checkpoint(args.checkpoint)
-    meta = read_meta(args.checkpoint)
+    model, tokenizer, meta = load_checkpoint(args.checkpoint)
     write_checkpoint(out, model, {**meta, "dtype": args.dtype}, tokenizer, dtype=DTYPES[args.dtype])
     print(f"exported step {meta.get('step')} to {out} ({args.dtype})")
 
@@ -132,7 +135,7 @@ def cmd_eval(args) -> None:
 def cmd_bench_ar(args) -> None:
     from diffar.evaluation.bench import bench_ar, print_table, write_records
 
-    records = bench_ar(args.checkpoint, args.batch_sizes, args.new_tokens, args.repeats)
+    records = bench_ar(args.checkpoint, args.corpus, args.batch_sizes, args.new_tokens, args.repeats)
     print_table(records)
     write_records(records, args.out)
 
@@ -240,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     b_sub = b.add_subparsers(dest="method", required=True, metavar="METHOD")
     bar = b_sub.add_parser("ar", help="AR with vs without the KV cache")
     bar.add_argument("--checkpoint", default="checkpoints/ar-kjv2web")
+    bar.add_argument("--corpus", help="prompts from this corpus's test split (default: the checkpoint's corpus)")
     bar.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1, 8])
     bar.add_argument("--new-tokens", type=_positive_int, default=256)
     bar.add_argument("--repeats", type=_positive_int, default=1)
@@ -266,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
     except DiffarError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # an unwritable --out, a full disk...
+        print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

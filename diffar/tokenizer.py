@@ -57,6 +57,8 @@ class Tokenizer:
     def load(cls, path: str | Path) -> Tokenizer:
         try:
             return cls.from_str(Path(path).read_text(encoding="utf-8"))
+        except DiffarError:
+            raise
         except (OSError, UnicodeDecodeError) as e:
             raise DiffarError(f"cannot read tokenizer {path}: {e.strerror if isinstance(e, OSError) else e}") from e
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON

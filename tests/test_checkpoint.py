@@ -36,12 +36,22 @@ def test_run_folder_follows_latest_and_keeps_two(tiny_model, tokenizer, tmp_path
     assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-0000010", "ckpt-0000015"]
 
 
-def test_interrupted_write_leaves_previous_checkpoint(tiny_model, tokenizer, tmp_path):
+def test_interrupted_write_leaves_previous_checkpoint(tiny_model, tokenizer, tmp_path, monkeypatch):
     save_run_checkpoint(tmp_path, 5, tiny_model, _meta(tiny_model), tokenizer, {"step": 5})
-    (tmp_path / "ckpt-0000010.partial").mkdir()  # a crash mid-write leaves only this
-    (tmp_path / "ckpt-0000010.partial" / "model.safetensors").write_bytes(b"half")
-    model, _, meta = load_checkpoint(tmp_path)
-    assert meta["step"] == 5
+    save_run_checkpoint(tmp_path, 10, tiny_model, _meta(tiny_model), tokenizer, {"step": 10})
+
+    def dies(*args, **kwargs):
+        raise KeyboardInterrupt("killed while writing train_state.pt")
+
+    monkeypatch.setattr(torch, "save", dies)
+    with pytest.raises(KeyboardInterrupt):
+        save_run_checkpoint(tmp_path, 15, tiny_model, _meta(tiny_model), tokenizer, {"step": 15})
+    assert (tmp_path / "ckpt-0000015.partial").exists() and not (tmp_path / "ckpt-0000015").exists()
+    assert load_checkpoint(tmp_path)[2]["step"] == 10
+    monkeypatch.undo()
+    save_run_checkpoint(tmp_path, 20, tiny_model, _meta(tiny_model), tokenizer, {"step": 20})
+    # the stale .partial never counts as one of the checkpoints kept
+    assert sorted(p.name for p in tmp_path.glob("ckpt-???????")) == ["ckpt-0000010", "ckpt-0000020"]
 
 
 def test_missing_and_corrupt_checkpoints(tiny_model, tokenizer, tmp_path):

@@ -120,9 +120,39 @@ def test_unreadable_data_file(tmp_path):
                        "unknown corpus")
 
 
-def test_bad_training_flags(tmp_path):
-    proc = run_cli("train", "ar", "--corpus", "kjv2web", *TINY_TRAIN, "--max-steps", "0", "--out", tmp_path)
-    assert_clean_error(proc, "--max-steps must be positive")
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-steps", "0", "--max-steps must be positive"),
+    ("--beta2", "1.5", "--beta2 must be in [0, 1)"),
+    ("--lr", "nan", "--lr must be a positive number"),
+    ("--grad-clip", "0", "--grad-clip must be positive"),
+    ("--precision", "fp8", "--precision must be fp32 or bf16"),
+])
+def test_bad_training_flags(tmp_path, flag, value, message):
+    proc = run_cli("train", "ar", "--corpus", "kjv2web", *TINY_TRAIN, flag, value, "--out", tmp_path)
+    assert_clean_error(proc, message)
+
+
+def test_bad_sampling_flags(tiny_run):
+    proc = run_cli("generate", "--checkpoint", tiny_run, "--prompt", "x", "--temperature", "nan")
+    assert_clean_error(proc, "temperature must be >= 0")
+
+
+def test_unwritable_output(tiny_run, tmp_path):
+    (tmp_path / "file").write_text("")
+    proc = run_cli("eval", "--checkpoint", tiny_run, "--limit", "2", "--out", tmp_path / "file" / "r.json")
+    assert_clean_error(proc, "file")
+
+
+def test_eval_refuses_to_test_on_training_data(tokenizer_path, tmp_path):
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(f'{{"source": "s {i}", "target": "t {i}"}}\n' for i in range(60)))
+    proc = run_cli("train", "ar", "--corpus", data, "--tokenizer", tokenizer_path, *TINY_TRAIN, "--max-steps", "2",
+                   "--out", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr
+    assert_clean_error(run_cli("eval", "--checkpoint", tmp_path / "run"), "is the training data itself")
+    ok = run_cli("eval", "--checkpoint", tmp_path / "run", "--split", "valid")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["examples"] == 3  # 1 in 20 held out
 
 
 def test_resume_refuses_a_different_model(tiny_run, tmp_path):

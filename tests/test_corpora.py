@@ -16,10 +16,12 @@ def test_embedded_splits_are_disjoint():
     kjv = {s: load_corpus("kjv2web", s) for s in ("train", "valid", "test")}
     chapters = {s: {p_ref.rsplit(":", 1)[0] for p_ref in _refs("kjv2web", s)} for s in kjv}
     assert not chapters["train"] & chapters["test"] and not chapters["train"] & chapters["valid"]
+    assert not chapters["valid"] & chapters["test"]
     assert len(kjv["train"].pairs) > 25000 and len(kjv["test"].pairs) > 500
     works = {s: {json.loads(line)["work"] for line in _lines("shakespeare", s)} for s in ("train", "valid", "test")}
     assert len(works["train"] | works["valid"] | works["test"]) == 42
-    assert not works["train"] & works["test"]
+    assert not works["train"] & works["test"] and not works["train"] & works["valid"]
+    assert not works["valid"] & works["test"]
 
 
 def _lines(name, split):
@@ -98,3 +100,8 @@ def test_seq2seq_loss_covers_target_only(tokenizer):
     assert row[len(src) - 1: len(src) - 1 + len(tgt)].tolist() == tgt
     assert row[len(src) - 1 + len(tgt)] == tokenizer.eos_id
     assert batch["tokens"][0, : len(src)].tolist() == src
+    for r in range(2):  # after a row's eos: padding in, nothing scored
+        end = len(data.seqs[r]) - 1
+        assert (batch["targets"][r, end:] == IGNORE_INDEX).all()
+        assert (batch["tokens"][r, end:] == tokenizer.pad_id).all()
+    assert len(data.seqs[0]) != len(data.seqs[1])  # so one row really is padded

@@ -33,14 +33,21 @@ def test_padding_does_not_change_a_row(tiny_model):
     torch.testing.assert_close(alone, padded, rtol=1e-4, atol=1e-5)
 
 
-def test_rewriting_slots_rolls_back(tiny_model):
-    """Overwriting cache slots from `start` equals a cache that never saw the discarded tokens."""
-    batch = Batch.from_prompts([[5, 6, 7, 8]], 0)
-    tiny_model.setup_cache(1, 16)
+def test_rolling_back_several_slots_equals_a_fresh_cache(tiny_model):
+    """Rewriting slots from `start` (a rejected draft) equals a cache that never saw those tokens."""
+    batch = Batch.from_prompts([[5, 6, 7, 8, 9], [10, 11]], pad_id=0)
+    keep, rejected, accepted = torch.tensor([[21], [22]]), torch.randint(5, 512, (2, 4)), torch.tensor([[42], [43]])
+
+    def feed(tokens, start):
+        return [decode_one_token(tiny_model, batch, tokens[:, i], start + i) for i in range(tokens.shape[1])][-1]
+
+    tiny_model.setup_cache(2, 32)
     prefill(tiny_model, batch)
-    decode_one_token(tiny_model, batch, torch.tensor([99]), 4)
-    after_rollback = decode_one_token(tiny_model, batch, torch.tensor([42]), 4)
-    tiny_model.setup_cache(1, 16)
+    feed(keep, 5)
+    feed(rejected, 6)  # four drafted tokens, then rolled back to slot 6
+    after_rollback = feed(accepted, 6)
+    tiny_model.setup_cache(2, 32)
     prefill(tiny_model, batch)
-    fresh = decode_one_token(tiny_model, batch, torch.tensor([42]), 4)
+    feed(keep, 5)
+    fresh = feed(accepted, 6)
     torch.testing.assert_close(after_rollback, fresh)

@@ -17,6 +17,12 @@ def test_bleu_and_chrf_equal_sacrebleu():
     assert 0 < bleu4(HYP, REF) < 100
 
 
+def test_hand_computed_bleu():
+    # every n-gram of the 6-word hypothesis is in the 7-word reference: precisions 1, brevity 1 - 7/6
+    assert bleu4(["the cat sat on the mat"], ["the cat sat on the mat today"]) == pytest.approx(
+        100 * math.exp(1 - 7 / 6), abs=1e-6)
+
+
 def test_known_values():
     assert bleu4(REF, REF) == pytest.approx(100.0)
     assert bleu4(["completely different words here"], ["nothing shared at all today"]) == 0.0

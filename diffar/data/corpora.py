@@ -28,7 +28,7 @@ class Pair:
 
 @dataclass
 class Corpus:
-    name: str
+    name: str  # an embedded corpus's name, or the absolute path of a user's file or folder
     task: str  # "continuation" | "seq2seq"
     documents: list[str] | None = None
     pairs: list[Pair] | None = None
@@ -93,8 +93,9 @@ def _user_split(corpus: Corpus, split: str) -> Corpus:
     return Corpus(corpus.name, corpus.task, documents=[d for d in docs if d])
 
 
-def load_corpus(name_or_path: str, split: str = "train") -> Corpus:
-    """Load a split of an embedded corpus by name, or of a user's file or folder (see `_user_split`)."""
+def load_corpus(name_or_path: str, split: str = "train", *, whole: bool = False) -> Corpus:
+    """Load a split of an embedded corpus by name, or of a user's file or folder (see `_user_split`;
+    `whole=True` takes all of a user's file, e.g. one given as validation data)."""
     if split not in SPLITS:
         raise DiffarError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
     if name_or_path in EMBEDDED:
@@ -103,19 +104,19 @@ def load_corpus(name_or_path: str, split: str = "train") -> Corpus:
         if EMBEDDED[name_or_path] == "seq2seq":
             return Corpus(name_or_path, "seq2seq", pairs=_pairs(records, path))
         return Corpus(name_or_path, "continuation", documents=[r["text"] for r in records])
-    path = Path(name_or_path)
+    path = Path(name_or_path).resolve()
     if not path.exists():
         raise DiffarError(f"unknown corpus {name_or_path!r}: not one of {', '.join(EMBEDDED)} and no such file or folder")
     if path.is_dir():
         files = sorted(path.glob("*.txt"))
         if not files:
             raise DiffarError(f"folder {path} holds no *.txt files")
-        corpus = Corpus(path.name, "continuation", documents=[_read_text(f) for f in files])
+        corpus = Corpus(str(path), "continuation", documents=[_read_text(f) for f in files])
     elif path.name.endswith((".jsonl", ".jsonl.gz")):
-        corpus = Corpus(path.name, "seq2seq", pairs=_pairs(_read_jsonl(path), path))
+        corpus = Corpus(str(path), "seq2seq", pairs=_pairs(_read_jsonl(path), path))
     else:
         text = _read_text(path)
         if not text.strip():
             raise DiffarError(f"{path} is empty")
-        corpus = Corpus(path.name, "continuation", documents=[text])
-    return _user_split(corpus, split)
+        corpus = Corpus(str(path), "continuation", documents=[text])
+    return corpus if whole else _user_split(corpus, split)

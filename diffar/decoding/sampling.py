@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,11 +17,11 @@ class SamplingConfig:
     top_p: float = 1.0  # 1 = off
 
     def __post_init__(self):
-        if self.temperature < 0:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise DiffarError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise DiffarError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:  # also rejects nan
             raise DiffarError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property

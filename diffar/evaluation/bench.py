@@ -31,10 +31,11 @@ class BenchRecord:
     extra: dict = field(default_factory=dict)
 
 
-def bench_ar(checkpoint: str, batch_sizes: list[int], new_tokens: int, repeats: int) -> list[BenchRecord]:
+def bench_ar(checkpoint: str, corpus_name: str | None, batch_sizes: list[int], new_tokens: int,
+             repeats: int) -> list[BenchRecord]:
     """KV-cached vs uncached greedy AR at a fixed number of new tokens (eos ignored), batch by batch."""
     model, tokenizer, meta = load_checkpoint(checkpoint)
-    corpus = load_corpus(meta["corpus"], "test")
+    corpus = load_corpus(corpus_name or meta["corpus"], "test")
     texts = [p.source for p in corpus.pairs] if corpus.task == "seq2seq" else [d[:400] for d in corpus.documents]
     records = []
     for bs in batch_sizes:
@@ -49,7 +50,7 @@ def bench_ar(checkpoint: str, batch_sizes: list[int], new_tokens: int, repeats: 
                 times.append(result.seconds)
             seconds = sorted(times)[len(times) // 2]
             records.append(BenchRecord(
-                method=method, task=meta["corpus"], batch_size=bs,
+                method=method, task=Path(corpus.name).name, batch_size=bs,
                 prompt_tokens=round(sum(map(len, prompts)) / bs), new_tokens=new_tokens,
                 latency_ms=round(1000 * seconds, 1), tokens_per_s=round(bs * new_tokens / seconds, 1),
                 forward_passes=result.forward_passes))

@@ -14,24 +14,11 @@ import torch
 
 from diffar.checkpoint import load_checkpoint
 from diffar.data.batching import build_dataset, prompt_ids
-from diffar.data.corpora import load_corpus
+from diffar.data.corpora import EMBEDDED, load_corpus
 from diffar.decoding.ar import generate
 from diffar.errors import DiffarError
 from diffar.evaluation.hardware import cpu_name
-from diffar.evaluation.metrics import perplexity, text_metrics
-
-
-@torch.inference_mode()
-def mean_nll(model, dataset, batch_size: int, max_examples: int | None = None) -> float:
-    """Token-weighted mean negative log-likelihood over the dataset's evaluation examples."""
-    idx = dataset.eval_indices(max_examples or len(dataset))
-    total, count = 0.0, 0
-    for i in range(0, len(idx), batch_size):
-        batch = dataset.batch(idx[i:i + batch_size])
-        n = int((batch["targets"] != -100).sum())
-        _, loss = model(**batch)
-        total, count = total + float(loss) * n, count + n
-    return total / count
+from diffar.evaluation.metrics import mean_nll, perplexity, text_metrics
 
 
 @torch.inference_mode()
@@ -59,6 +46,9 @@ def evaluate_checkpoint(checkpoint: str, corpus_name: str | None, split: str, li
                         batch_size: int) -> dict:
     model, tokenizer, meta = load_checkpoint(checkpoint)
     corpus = load_corpus(corpus_name or meta["corpus"], split)
+    if split == "test" and corpus.name == meta["corpus"] and corpus.name not in EMBEDDED:
+        raise DiffarError(f"{corpus.name} is the training data itself: evaluate its held-out part with "
+                          f"--split valid, or pass a separate test file with --corpus")
     if corpus.task != meta["task"]:
         raise DiffarError(f"{corpus.name} is a {corpus.task} corpus but the checkpoint was trained for {meta['task']}")
     report = {"checkpoint": str(checkpoint), "corpus": corpus.name, "split": split, "task": corpus.task,

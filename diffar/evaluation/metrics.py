@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 
 import sacrebleu
+import torch
 from rouge_score import rouge_scorer
+
+from diffar.data.batching import IGNORE_INDEX
 
 
 def bleu4(hypotheses: list[str], references: list[str]) -> float:
-    """Corpus BLEU-4 (sacrebleu defaults: 13a tokenisation, exponential smoothing off), 0-100."""
+    """Corpus BLEU-4 with sacrebleu's defaults (13a tokenisation, exponential smoothing), 0-100."""
     return sacrebleu.corpus_bleu(hypotheses, [references]).score
 
 
@@ -34,3 +37,17 @@ def text_metrics(hypotheses: list[str], references: list[str]) -> dict[str, floa
 
 def perplexity(mean_nll: float) -> float:
     return math.exp(min(mean_nll, 50.0))
+
+
+@torch.no_grad()
+def mean_nll(model, dataset, batch_size: int, max_examples: int | None = None,
+             device: torch.device | str = "cpu") -> float:
+    """Token-weighted mean negative log-likelihood over the dataset's evaluation examples."""
+    idx = dataset.eval_indices(max_examples or len(dataset))
+    total, count = 0.0, 0
+    for i in range(0, len(idx), batch_size):
+        batch = {k: v.to(device) for k, v in dataset.batch(idx[i:i + batch_size]).items()}
+        n = int((batch["targets"] != IGNORE_INDEX).sum())
+        _, loss = model(**batch)
+        total, count = total + float(loss) * n, count + n
+    return total / count

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffar.data.batching import IGNORE_INDEX
 from diffar.errors import DiffarError
 from diffar.models.kv_cache import KVCache
 
@@ -189,5 +190,5 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.norm(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX)
         return logits, loss

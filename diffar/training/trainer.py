@@ -2,8 +2,9 @@
 
 AdamW, linear warm-up then cosine decay, gradient clipping and accumulation, optional bf16 autocast,
 periodic validation, a JSONL metrics log, atomic checkpoints and exact resume. Launched with
-`torchrun --nproc_per_node N` it trains with DistributedDataParallel (gloo on CPU, nccl on GPU); the
-global batch of a step is the same whatever the number of processes, so runs agree.
+`torchrun --nproc_per_node N` it trains with DistributedDataParallel (gloo on CPU, nccl on GPU). The
+global batch of a step is the same whatever the number of processes or accumulation steps, and the loss
+is the mean over all its target tokens, so such runs agree.
 """
 
 from __future__ import annotations
@@ -19,13 +20,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_model
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from diffar.checkpoint import resolve, save_run_checkpoint
+from diffar.checkpoint import read_meta, resolve, save_run_checkpoint
+from diffar.data.batching import IGNORE_INDEX
 from diffar.errors import DiffarError
+from diffar.evaluation.metrics import mean_nll, perplexity
 from diffar.tokenizer import Tokenizer
+
+# A resumed run must continue the same experiment: these fields of config.json have to agree.
+RESUME_MUST_MATCH = ("kind", "model", "task", "corpus", "block_size", "tokenizer_sha256")
 
 
 @dataclass
@@ -47,13 +54,20 @@ class TrainConfig:
     seed: int = 1234
 
     def __post_init__(self):
+        def need(ok: bool, flag: str, rule: str):
+            if not ok:
+                raise DiffarError(f"--{flag.replace('_', '-')} {rule}, got {getattr(self, flag)}")
+
         for name in ("max_steps", "batch_size", "grad_accum", "eval_every", "save_every", "eval_examples"):
-            if getattr(self, name) <= 0:
-                raise DiffarError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.precision not in ("fp32", "bf16"):
-            raise DiffarError(f"--precision must be fp32 or bf16, got {self.precision!r}")
-        if self.lr <= 0:
-            raise DiffarError(f"--lr must be positive, got {self.lr}")
+            need(getattr(self, name) > 0, name, "must be positive")
+        need(math.isfinite(self.lr) and self.lr > 0, "lr", "must be a positive number")
+        need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        need(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        need(0 <= self.beta1 < 1, "beta1", "must be in [0, 1)")
+        need(0 <= self.beta2 < 1, "beta2", "must be in [0, 1)")
+        need(math.isfinite(self.grad_clip) and self.grad_clip > 0, "grad_clip", "must be positive")
+        need(self.precision in ("fp32", "bf16"), "precision", "must be fp32 or bf16")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -71,17 +85,21 @@ class Trainer:
         self.cfg, self.run_dir, self.meta, self.tokenizer = cfg, Path(run_dir), meta, tokenizer
         self.train_data, self.valid_data = train_data, valid_data
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+        cuda = torch.cuda.is_available()
+        self.device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if cuda else "cpu")
         if self.world > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        self.model = model
-        self.ddp = DistributedDataParallel(model) if self.world > 1 else None
+            dist.init_process_group("nccl" if cuda else "gloo")
+        self.model = model.to(self.device)
+        self.ddp = DistributedDataParallel(model, device_ids=[self.device] if cuda else None) if self.world > 1 \
+            else None
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False,
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
         )
         self.step = 0
+        self.last_metrics: dict = {}
         self.metrics_path = self.run_dir / "metrics.jsonl"
 
     # ---- data -------------------------------------------------------------------------------------
@@ -93,35 +111,57 @@ class Trainer:
         out = []
         for m in range(cfg.grad_accum):
             start = (m * world + self.rank) * cfg.batch_size
-            out.append(self.train_data.batch(idx[start:start + cfg.batch_size]))
+            batch = self.train_data.batch(idx[start:start + cfg.batch_size])
+            out.append({k: v.to(self.device) for k, v in batch.items()})
         return out
 
     def autocast(self):
         if self.cfg.precision == "bf16":
-            return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        """Sum over processes (identity on one)."""
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
 
     # ---- state ------------------------------------------------------------------------------------
     def resume(self) -> bool:
         if not (self.run_dir / "latest").is_file():
+            if self.rank == 0 and self.metrics_path.exists():  # a run killed before its first checkpoint
+                self.metrics_path.unlink()
             return False
         folder = resolve(self.run_dir)
-        if not (folder / "train_state.pt").is_file():
-            raise DiffarError(f"{folder} has no train_state.pt to resume from")
-        if json.loads((folder / "config.json").read_text()).get("model") != self.meta.get("model"):
-            raise DiffarError(f"{self.run_dir} holds a run of a different model; choose another --out")
-        load_model(self.model, str(folder / "model.safetensors"))
-        state = torch.load(folder / "train_state.pt", weights_only=True)
+        saved = read_meta(folder)
+        expected = {**self.meta, "tokenizer_sha256": self.tokenizer.sha256}
+        differ = [k for k in RESUME_MUST_MATCH if saved.get(k) != expected.get(k)]
+        if differ:
+            raise DiffarError(f"{self.run_dir} holds a run of a different model/data ({', '.join(differ)} differ); "
+                              f"choose another --out")
+        try:
+            load_model(self.model, str(folder / "model.safetensors"), device=str(self.device))
+            state = torch.load(folder / "train_state.pt", weights_only=True, map_location=self.device)
+        except (OSError, SafetensorError, RuntimeError, ValueError) as e:
+            raise DiffarError(f"cannot resume from {folder}: its weights or train_state.pt are unreadable") from e
         self.optimizer.load_state_dict(state["optimizer"])
-        self.step = state["step"]
-        if self.rank == 0 and self.metrics_path.exists():  # drop log lines past the checkpoint
-            lines = [ln for ln in self.metrics_path.read_text().splitlines() if json.loads(ln)["step"] <= self.step]
-            self.metrics_path.write_text("".join(ln + "\n" for ln in lines))
+        self.step, self.last_metrics = state["step"], state.get("last_metrics", {})
+        if self.rank == 0 and self.metrics_path.exists():  # keep only log lines up to the checkpoint
+            kept = []
+            for line in self.metrics_path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= self.step:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):
+                    pass  # a line cut short by the kill
+            self.metrics_path.write_text("".join(ln + "\n" for ln in kept))
         return True
 
     def save(self) -> None:
         if self.rank == 0:
-            state = {"optimizer": self.optimizer.state_dict(), "step": self.step}
+            state = {"optimizer": self.optimizer.state_dict(), "step": self.step, "last_metrics": self.last_metrics}
             meta = {**self.meta, "train": asdict(self.cfg), "metrics": self.last_metrics}
             save_run_checkpoint(self.run_dir, self.step, self.model, meta, self.tokenizer, state)
         if self.world > 1:
@@ -134,72 +174,66 @@ class Trainer:
                 f.write(json.dumps(record) + "\n")
 
     # ---- loop -------------------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Token-weighted mean loss over a fixed set of validation examples."""
         self.model.eval()
-        idx = self.valid_data.eval_indices(self.cfg.eval_examples)
-        total, count = 0.0, 0
-        for i in range(0, len(idx), self.cfg.batch_size):
-            batch = self.valid_data.batch(idx[i:i + self.cfg.batch_size])
-            n = int((batch["targets"] != -100).sum())
-            with self.autocast():
-                _, loss = self.model(**batch)
-            total, count = total + float(loss) * n, count + n
+        with self.autocast():
+            nll = mean_nll(self.model, self.valid_data, self.cfg.batch_size, self.cfg.eval_examples, self.device)
         self.model.train()
-        return total / count
+        return nll
 
     def train_step(self) -> tuple[float, int]:
+        """One optimizer step on the global batch; returns (mean loss per target token, target tokens)."""
         cfg, net = self.cfg, self.ddp or self.model
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, cfg)
-        loss_sum, tokens = 0.0, 0
         micro = self.micro_batches(self.step)
-        for m, batch in enumerate(micro):
+        counts = [int((b["targets"] != IGNORE_INDEX).sum()) for b in micro]
+        total = self.all_sum([float(sum(counts))])[0]
+        # Each micro-batch's mean loss, weighted by its share of the global batch's target tokens. DDP
+        # averages gradients over processes, hence the factor `world`.
+        loss_sum = 0.0
+        for m, (batch, n) in enumerate(zip(micro, counts)):
             sync = self.ddp is None or m == len(micro) - 1
             with (contextlib.nullcontext() if sync else self.ddp.no_sync()), self.autocast():
                 _, loss = net(**batch)
-            (loss / cfg.grad_accum).backward()
-            loss = loss.detach()
-            loss_sum += loss.item() / cfg.grad_accum
-            tokens += int((batch["targets"] != -100).sum())
-        if self.ddp is not None:  # log the global batch's loss, not this rank's share
-            stats = torch.tensor([loss_sum, tokens], dtype=torch.float64)
-            dist.all_reduce(stats)
-            loss_sum, tokens = float(stats[0]) / self.world, int(stats[1])
+            (loss * (n * self.world / total)).backward()
+            loss_sum += loss.item() * n
+        loss_sum = self.all_sum([loss_sum])[0]
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return loss_sum, tokens
+        return loss_sum / total, int(total)
 
     def fit(self) -> dict:
         """Train to cfg.max_steps, resuming from the run folder if it holds a checkpoint.
 
         Ctrl-C (or SIGTERM) finishes the current step, saves, and stops; rerunning resumes exactly.
         """
-        torch.manual_seed(self.cfg.seed)
         resumed = self.resume()
-        self.last_metrics: dict = {}
         if self.rank == 0:
             n_params = sum(p.numel() for p in self.model.parameters())
             where = f"resuming at step {self.step}" if resumed else "starting"
             print(f"{where}: {n_params / 1e6:.2f}M params, {len(self.train_data)} train examples, "
-                  f"{self.world} process(es) x batch {self.cfg.batch_size} x accum {self.cfg.grad_accum}")
-        stop = []
-        handlers = {s: signal.signal(s, lambda *_: stop.append(True)) for s in (signal.SIGINT, signal.SIGTERM)}
+                  f"{self.world} process(es) x batch {self.cfg.batch_size} x accum {self.cfg.grad_accum}, "
+                  f"{self.device.type}")
+        signalled = []
+        handlers = {s: signal.signal(s, lambda *_: signalled.append(True)) for s in (signal.SIGINT, signal.SIGTERM)}
         self.model.train()
         bar = tqdm(total=self.cfg.max_steps, initial=self.step, disable=self.rank != 0, dynamic_ncols=True)
+        stop = False
         try:
             while self.step < self.cfg.max_steps and not stop:
                 t0 = time.perf_counter()
                 loss, tokens = self.train_step()
                 tok_s = tokens / (time.perf_counter() - t0)
+                stop = self.all_sum([float(bool(signalled))])[0] > 0  # every process stops at the same step
                 record = {"step": self.step, "loss": round(loss, 6), "lr": lr_at(self.step - 1, self.cfg),
                           "tokens_per_s": round(tok_s, 1)}
                 if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.max_steps:
                     val = self.evaluate()
-                    record.update(val_loss=round(val, 6), val_ppl=round(math.exp(min(val, 50)), 3))
+                    record.update(val_loss=round(val, 6), val_ppl=round(perplexity(val), 3))
                     self.last_metrics = {k: record[k] for k in ("step", "val_loss", "val_ppl")}
                 self.log(record)
                 bar.update(1)
