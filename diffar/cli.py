@@ -155,6 +155,34 @@ def cmd_serve(args) -> None:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, backlog=4096)
 
 
+def cmd_loadtest(args) -> None:
+    from diffar.data.corpora import load_corpus
+    from diffar.serving.loadtest import local_server, print_results, raise_fd_limit, results_json, run_load
+
+    if (args.url is None) == (args.checkpoint is None):
+        raise DiffarError("give either --url (a running server) or --checkpoint (start one here)")
+    corpus = load_corpus(args.corpus, "test")
+    prompts = [p.source for p in corpus.pairs] if corpus.task == "seq2seq" else \
+        [d[i:i + 200] for d in corpus.documents for i in range(0, len(d) - 200, 997)]
+    raise_fd_limit()
+    load = dict(concurrency=args.concurrency, max_tokens=args.max_tokens, time_limit=args.time_limit)
+    if args.url:
+        results = [run_load(args.url, prompts, requests=args.requests, label="server", max_batch_size=None, **load)]
+    else:
+        results = []
+        runs = [(args.max_batch_size, args.requests)] + ([(1, args.unbatched_requests)] if args.compare_unbatched
+                                                         else [])
+        for batch, n in runs:
+            with local_server(args.checkpoint, batch, max_queue=max(4096, args.concurrency)) as url:
+                label = f"batched (max {batch})" if batch > 1 else "one at a time"
+                print(f"{label}: {n} requests from {args.concurrency} concurrent clients...", file=sys.stderr)
+                results.append(run_load(url, prompts, requests=n, label=label, max_batch_size=batch, **load))
+    print_results(results)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results_json(results), indent=2) + "\n")
+
+
 # ---- parser ---------------------------------------------------------------------------------------
 def _positive_int(text: str) -> int:
     try:
@@ -261,6 +289,21 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=_positive_int, default=4096, help="waiting requests before 429")
     sv.add_argument("--log-level", default="warning")
     sv.set_defaults(func=cmd_serve)
+
+    lt = sub.add_parser("loadtest", help="concurrent clients against a server on this machine (bounded)")
+    lt.add_argument("--url", help="a running diffar server")
+    lt.add_argument("--checkpoint", help="start a server for this checkpoint on 127.0.0.1 instead")
+    lt.add_argument("--concurrency", type=_positive_int, default=1000)
+    lt.add_argument("--requests", type=_positive_int, default=2000)
+    lt.add_argument("--max-tokens", type=_positive_int, default=32)
+    lt.add_argument("--time-limit", type=float, default=600.0, help="seconds; unanswered requests count as lost")
+    lt.add_argument("--max-batch-size", type=_positive_int, default=32)
+    lt.add_argument("--compare-unbatched", action="store_true",
+                    help="also measure a server that decodes one request at a time")
+    lt.add_argument("--unbatched-requests", type=_positive_int, default=300)
+    lt.add_argument("--corpus", default="kjv2web", help="prompts come from this corpus's test split")
+    lt.add_argument("--out", help="write the results as JSON")
+    lt.set_defaults(func=cmd_loadtest)
     return parser
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -56,3 +59,28 @@ def tiny_run(tokenizer_path, tmp_path_factory):
                    "--max-steps", "10", "--block-size", "128", *TINY_TRAIN)
     assert proc.returncode == 0, proc.stderr
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(checkpoint, *flags) -> tuple[subprocess.Popen, str]:
+    """`diffar serve` on a free loopback port; returns (process, base URL) once /health answers."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "diffar.cli", "serve", "--checkpoint", str(checkpoint),
+                             "--port", str(port), "--model-id", "tiny", *flags],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"server did not start: {proc.stdout.read()}")

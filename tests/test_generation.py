@@ -45,6 +45,16 @@ def test_callback_can_stop_one_row(tiny_model):
     assert [t for r, t in enumerate(stopped.tokens) if r != 2] == [t for r, t in enumerate(free.tokens) if r != 2]
 
 
+def test_fixed_tokens_are_kept_and_decoding_follows_them(tiny_model):
+    free = generate(tiny_model, PROMPTS[:2], 10, pad_id=0, eos_id=None)
+    pinned = generate(tiny_model, PROMPTS[:2], 10, pad_id=0, eos_id=None, fixed=[{3: 77, 4: 78}, {}])
+    assert pinned.tokens[0][:3] == free.tokens[0][:3] and pinned.tokens[0][3:5] == [77, 78]
+    assert pinned.tokens[1] == free.tokens[1]
+    # what follows the pins is what the model says after them
+    continued = generate(tiny_model, [PROMPTS[0] + pinned.tokens[0][:5]], 5, pad_id=0, eos_id=None)
+    assert pinned.tokens[0][5:] == continued.tokens[0]
+
+
 def test_sampling_is_seeded(tiny_model):
     cfg = SamplingConfig(temperature=1.0, top_k=50, top_p=0.9)
     a = generate(tiny_model, PROMPTS, 10, pad_id=0, eos_id=None, sampling=cfg, generator=torch.Generator().manual_seed(3))

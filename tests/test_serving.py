@@ -2,39 +2,13 @@
 
 import asyncio
 import json
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import ROOT
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(checkpoint, *flags) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "diffar.cli", "serve", "--checkpoint", str(checkpoint),
-                             "--port", str(port), "--model-id", "tiny", *flags],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"server did not start: {proc.stdout.read()}")
+from tests.conftest import start_server
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +156,16 @@ def test_metrics_in_prometheus_format(server):
     for name in ("diffar_requests_total", "diffar_errors_total", "diffar_request_latency_seconds_bucket",
                  "diffar_batch_size_bucket", "diffar_generated_tokens_total", "diffar_tokens_per_second"):
         assert name in text
+
+
+def test_loadtest_1000_concurrent_clients_lose_nothing(tiny_run, tmp_path):
+    from tests.conftest import run_cli
+
+    out = tmp_path / "load.json"
+    proc = run_cli("loadtest", "--checkpoint", tiny_run, "--concurrency", "1000", "--requests", "1000",
+                   "--max-tokens", "2", "--max-batch-size", "64", "--time-limit", "240", "--out", out, timeout=400)
+    assert proc.returncode == 0, proc.stderr
+    (result,) = json.loads(out.read_text())
+    assert result["concurrency"] == 1000 and result["requests"] == 1000
+    assert result["completed"] == 1000 and result["errors"] == 0 and result["lost"] == 0
+    assert result["p50_ms"] <= result["p95_ms"] <= result["p99_ms"]

@@ -110,11 +110,13 @@ def decode_n_tokens(
     on_token: TokenCallback | None = None,
     generator: torch.Generator | None = None,
     step: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+    fixed: list[dict[int, int]] | None = None,
 ) -> tuple[list[list[int]], int]:
     """Sample up to n tokens per row from `logits` onwards; rows stop independently at eos.
 
     `step(token, slot)` produces the next logits; the default is `decode_one_token` on the KV cache.
-    Returns (new tokens per row, forward passes made).
+    `fixed[row]` maps output positions to tokens a person pinned: those are emitted instead of sampled,
+    and decoding continues from them. Returns (new tokens per row, forward passes made).
     """
     step = step or (lambda token, slot: decode_one_token(model, batch, token, slot))
     B, slot = batch.tokens.shape
@@ -123,6 +125,9 @@ def decode_n_tokens(
     passes = 0
     for i in range(n):
         token = sample_next(logits, sampling, generator)
+        for row, pins in enumerate(fixed or ()):
+            if i in pins:
+                token[row] = pins[i]
         for row in range(B):
             if done[row]:
                 continue
@@ -166,8 +171,10 @@ def generate(
     on_token: TokenCallback | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    fixed: list[dict[int, int]] | None = None,
 ) -> GenerationResult:
-    """Generate up to `max_new_tokens` after each prompt (a list of token ids per row)."""
+    """Generate up to `max_new_tokens` after each prompt (a list of token ids per row); see
+    `decode_n_tokens` for `fixed` (pinned tokens)."""
     check_lengths(model, prompts, max_new_tokens)
     batch = Batch.from_prompts(prompts, pad_id)
     t0 = time.perf_counter()
@@ -179,5 +186,6 @@ def generate(
         T = batch.tokens.shape[1]
         logits = model(batch.tokens, positions=batch.positions(0, T), attn_mask=batch.attn_mask(0, T))[0][:, -1]
         step = _uncached_step(model, batch)
-    tokens, passes = decode_n_tokens(model, batch, logits, max_new_tokens, sampling, eos_id, on_token, generator, step)
+    tokens, passes = decode_n_tokens(model, batch, logits, max_new_tokens, sampling, eos_id, on_token, generator, step,
+                                     fixed)
     return GenerationResult(tokens, sum(len(p) for p in prompts), passes + 1, time.perf_counter() - t0)

@@ -113,7 +113,19 @@ def create_app(model, tokenizer, meta: dict, model_id: str, *, max_batch_size: i
             raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
                                 f"{engine.context} tokens", code="context_length_exceeded", param="max_tokens")
         return Request(ids, max_tokens, SamplingConfig(body.temperature, body.top_k, body.top_p),
-                       stop=body.stop_list(), seed=body.seed)
+                       stop=body.stop_list(), seed=body.seed, fixed=pins(body.fixed_tokens or {}, max_tokens))
+
+    def pins(fixed: dict[int, int | str], max_tokens: int) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for pos, value in sorted(fixed.items()):
+            ids = tokenizer.encode(value) if isinstance(value, str) else [value]
+            if not ids or any(not 0 <= t < tokenizer.vocab_size for t in ids):
+                raise APIError(400, f"fixed_tokens[{pos}] is not a token id or non-empty text", param="fixed_tokens")
+            if pos < 0 or pos + len(ids) > max_tokens:
+                raise APIError(400, f"fixed_tokens[{pos}] lies outside the {max_tokens} tokens generated",
+                               param="fixed_tokens")
+            out.update({pos + j: t for j, t in enumerate(ids)})
+        return out
 
     async def events(req: Request) -> AsyncIterator[Event]:
         """The request's events until its final one; a consumer that stops early cancels the request."""
@@ -157,6 +169,8 @@ def create_app(model, tokenizer, meta: dict, model_id: str, *, max_batch_size: i
                         return
                     chunk = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
                              "model": model_id, "choices": [choice(ev.text, ev.finish_reason, first)]}
+                    if ev.finish_reason:
+                        chunk["diffar"] = summary(req)
                     first = False
                     yield f"data: {json.dumps(chunk)}\n\n"
                 yield "data: [DONE]\n\n"
@@ -168,14 +182,19 @@ def create_app(model, tokenizer, meta: dict, model_id: str, *, max_batch_size: i
             if ev.error:
                 raise APIError(503, f"generation failed: {ev.error}", "server_error")
             finish = ev.finish_reason
-        latency = time.perf_counter() - req.submitted
         n = len(req.tokens)
         return {"id": rid, "object": obj, "created": created, "model": model_id,
                 "choices": [choice(req.text, finish)],
                 "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": n,
                           "total_tokens": len(req.prompt_ids) + n},
-                "diffar": {"method": body.method, "latency_ms": round(1000 * latency, 1),
-                           "tokens_per_s": round(n / latency, 1) if latency > 0 else None}}
+                "diffar": summary(req)}
+
+    def summary(req: Request) -> dict:
+        """diffar's extension of a response: speed, and the tokens one by one (for pinning)."""
+        latency = time.perf_counter() - req.submitted
+        return {"method": "ar", "latency_ms": round(1000 * latency, 1),
+                "tokens_per_s": round(len(req.tokens) / latency, 1) if latency > 0 else None,
+                "token_ids": req.tokens, "tokens": [tokenizer.decode([t]) for t in req.tokens]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):

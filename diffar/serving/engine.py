@@ -34,6 +34,7 @@ class Event:
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | None while running
     error: str | None = None
+    tokens: list[int] | None = None  # with the final event: every generated token id
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Request:
     sampling: SamplingConfig
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    fixed: dict[int, int] = field(default_factory=dict)  # output position -> pinned token
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -81,7 +83,7 @@ class Request:
         if not self.stop_hit:
             self._show(tokenizer.decode(self.tokens))
         stopped = self.stop_hit or len(self.tokens) < self.max_tokens
-        self.emit(Event(finish_reason="stop" if stopped else "length"))
+        self.emit(Event(finish_reason="stop" if stopped else "length", tokens=list(self.tokens)))
 
     def _show(self, text: str) -> None:
         if len(text) > len(self.text):
@@ -172,7 +174,8 @@ class Engine:
         try:
             generate(self.model, [r.prompt_ids for r in batch], max(r.max_tokens for r in batch),
                      pad_id=tok.pad_id, eos_id=tok.eos_id, sampling=batch[0].sampling,
-                     on_token=lambda row, token: batch[row].push(token, tok), generator=generator)
+                     on_token=lambda row, token: batch[row].push(token, tok), generator=generator,
+                     fixed=[r.fixed for r in batch])
         except Exception as e:  # never let one bad batch kill the worker
             for r in batch:
                 r.emit(Event(finish_reason="error", error=str(e)))

@@ -30,6 +30,8 @@ class GenerationFields(BaseModel):
     steps: int | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0.0)
     preset: Literal["speed", "quality"] | None = None
+    # Human-in-the-loop: output position -> a token id to keep, or text to put there (it may span tokens)
+    fixed_tokens: dict[int, int | str] | None = None
 
     def stop_list(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])

@@ -1,0 +1,153 @@
+"""`diffar loadtest`: many concurrent clients against a diffar server on this machine, bounded in request
+count and time. Reports latency percentiles, throughput, errors and lost requests.
+
+Without --url it starts the server itself on a free 127.0.0.1 port — once with dynamic batching and, with
+--compare-unbatched, once serving one request at a time — so the two are measured side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import httpx
+
+from diffar.errors import DiffarError
+from diffar.evaluation.hardware import cpu_name
+
+
+@dataclass
+class LoadResult:
+    label: str
+    max_batch_size: int | None
+    concurrency: int
+    requests: int  # sent
+    completed: int  # answered 200
+    errors: int  # answered otherwise, or failed in transport
+    lost: int  # sent but never answered before the time limit
+    seconds: float
+    requests_per_s: float
+    tokens_per_s: float
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+    max_tokens: int
+    device: str = ""
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+async def _drive(url: str, prompts: list[str], concurrency: int, total: int, max_tokens: int,
+                 time_limit: float) -> tuple[list[float], int, int, int, int, float]:
+    """(latencies of successes, sent, completed, errors, completion tokens, seconds)."""
+    latencies: list[float] = []
+    sent = completed = errors = tokens = 0
+    deadline = time.perf_counter() + time_limit
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(time_limit)) as client:
+        async def worker():
+            nonlocal sent, completed, errors, tokens
+            while sent < total and time.perf_counter() < deadline:
+                body = {"prompt": prompts[sent % len(prompts)], "max_tokens": max_tokens, "temperature": 0}
+                sent += 1
+                t0 = time.perf_counter()
+                try:
+                    r = await client.post("/v1/completions", json=body,
+                                          timeout=max(0.1, deadline - time.perf_counter()))
+                except httpx.TimeoutException:
+                    return  # counted as lost
+                except httpx.TransportError:
+                    errors += 1
+                    continue
+                if r.status_code == 200:
+                    completed += 1
+                    tokens += r.json()["usage"]["completion_tokens"]
+                    latencies.append(time.perf_counter() - t0)
+                else:
+                    errors += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - t0
+    return sorted(latencies), sent, completed, errors, tokens, seconds
+
+
+def run_load(url: str, prompts: list[str], *, concurrency: int, requests: int, max_tokens: int, time_limit: float,
+             label: str, max_batch_size: int | None) -> LoadResult:
+    latencies, sent, completed, errors, tokens, seconds = asyncio.run(
+        _drive(url, prompts, concurrency, requests, max_tokens, time_limit))
+    return LoadResult(
+        label=label, max_batch_size=max_batch_size, concurrency=concurrency, requests=sent, completed=completed,
+        errors=errors, lost=sent - completed - errors, seconds=round(seconds, 2),
+        requests_per_s=round(completed / seconds, 2), tokens_per_s=round(tokens / seconds, 1),
+        p50_ms=round(1000 * _percentile(latencies, 0.50), 1), p95_ms=round(1000 * _percentile(latencies, 0.95), 1),
+        p99_ms=round(1000 * _percentile(latencies, 0.99), 1), max_tokens=max_tokens, device=cpu_name())
+
+
+def raise_fd_limit() -> None:
+    """A thousand open sockets need more than the common default of 1024 descriptors."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+@contextmanager
+def local_server(checkpoint: str, max_batch_size: int, max_queue: int):
+    """`diffar serve` in a child process on a free loopback port; yields its URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diffar.cli", "serve", "--checkpoint", checkpoint, "--port", str(port),
+         "--max-batch-size", str(max_batch_size), "--max-queue", str(max_queue)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            if proc.poll() is not None:
+                raise DiffarError(f"the server did not start: {proc.stderr.read().strip().splitlines()[-1:]}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.time() > deadline:
+                raise DiffarError("the server did not answer /health within 120 s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def print_results(results: list[LoadResult]) -> None:
+    print(f"{'server':<22}{'conc':>6}{'sent':>7}{'ok':>7}{'err':>5}{'lost':>5}{'req/s':>8}{'tok/s':>9}"
+          f"{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}")
+    for r in results:
+        print(f"{r.label:<22}{r.concurrency:>6}{r.requests:>7}{r.completed:>7}{r.errors:>5}{r.lost:>5}"
+              f"{r.requests_per_s:>8.2f}{r.tokens_per_s:>9.1f}{r.p50_ms:>9.0f}{r.p95_ms:>9.0f}{r.p99_ms:>9.0f}")
+    if len(results) == 2 and results[1].tokens_per_s > 0:
+        print(f"dynamic batching throughput: {results[0].tokens_per_s / results[1].tokens_per_s:.2f}x "
+              f"one-request-at-a-time")
+    print(f"device: {results[0].device}; clients and server share this machine")
+
+
+def results_json(results: list[LoadResult]) -> list[dict]:
+    return [asdict(r) for r in results]
