@@ -163,7 +163,10 @@ def cmd_loadtest(args) -> None:
         raise DiffarError("give either --url (a running server) or --checkpoint (start one here)")
     corpus = load_corpus(args.corpus, "test")
     prompts = [p.source for p in corpus.pairs] if corpus.task == "seq2seq" else \
-        [d[i:i + 200] for d in corpus.documents for i in range(0, len(d) - 200, 997)]
+        [d[i:i + 200] for d in corpus.documents for i in range(0, max(1, len(d) - 200), 997)]
+    prompts = [p for p in prompts if p.strip()]
+    if not prompts:
+        raise DiffarError(f"{corpus.name} gives no prompts")
     raise_fd_limit()
     load = dict(concurrency=args.concurrency, max_tokens=args.max_tokens, time_limit=args.time_limit)
     if args.url:

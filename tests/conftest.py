@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -70,9 +71,10 @@ def free_port() -> int:
 def start_server(checkpoint, *flags) -> tuple[subprocess.Popen, str]:
     """`diffar serve` on a free loopback port; returns (process, base URL) once /health answers."""
     port = free_port()
+    log = tempfile.TemporaryFile(mode="w+")  # not a pipe: nobody reads it while the tests run
     proc = subprocess.Popen([sys.executable, "-m", "diffar.cli", "serve", "--checkpoint", str(checkpoint),
                              "--port", str(port), "--model-id", "tiny", *flags],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
@@ -83,4 +85,5 @@ def start_server(checkpoint, *flags) -> tuple[subprocess.Popen, str]:
         except httpx.TransportError:
             time.sleep(0.1)
     proc.kill()
-    raise RuntimeError(f"server did not start: {proc.stdout.read()}")
+    log.seek(0)
+    raise RuntimeError(f"server did not start: {log.read()}")

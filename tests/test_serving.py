@@ -90,7 +90,11 @@ def test_batched_equals_unbatched(server):
     ({"prompt": 42}, 400, "prompt"),
     ({"max_tokens": 4}, 400, "prompt"),
     ({"prompt": "   "}, 400, "prompt"),
-    ({"prompt": "word " * 400, "max_tokens": 4}, 400, "max_tokens"),
+    ({"prompt": "word " * 400, "max_tokens": 4}, 400, "prompt"),
+    ({"prompt": "x", "seed": 2 ** 64}, 400, "seed"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"prompt": "x", "max_tokens": 8, "fixed_tokens": {"1": "a b c", "2": 5}}, 400, "fixed_tokens"),
+    ({"prompt": "x", "max_tokens": 8, "fixed_tokens": {"7": "many words here"}}, 400, "fixed_tokens"),
     ({"prompt": "x", "method": "telepathy"}, 400, "method"),
     ({"prompt": "x", "method": "dd2"}, 400, "method"),
     ({"prompt": "x", "model": "gpt-7"}, 404, "model"),
@@ -119,20 +123,35 @@ def test_malformed_json_and_wrong_shapes(server):
     assert "error" in httpx.get(server + "/v1/nothing-here").json()
 
 
-def test_disconnect_mid_stream_cancels_generation(server, tiny_run):
-    before = metric(server, "diffar_generated_tokens_total")
-    with httpx.stream("POST", server + "/v1/completions", timeout=60,
-                      json={"prompt": "And", "max_tokens": 200, "temperature": 0, "stream": True}) as r:
+def test_disconnect_mid_stream_cancels_generation(server):
+    before = metric(server, "diffar_cancelled_total")
+    tokens_before = metric(server, "diffar_generated_tokens_total")
+    body = {"prompt": "And", "max_tokens": 300, "temperature": 0, "stream": True, "fixed_tokens": {"299": 5}}
+    with httpx.stream("POST", server + "/v1/completions", timeout=60, json=body) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                break  # one token in, hang up
+                break  # one token in, hang up (the pin at 299 keeps eos away, so only a cancel ends it early)
     deadline = time.time() + 30
-    while metric(server, "diffar_generated_tokens_total") == before and time.time() < deadline:
+    while metric(server, "diffar_cancelled_total") == before and time.time() < deadline:
         time.sleep(0.1)
-    time.sleep(0.5)
-    generated = metric(server, "diffar_generated_tokens_total") - before
-    assert 1 <= generated < 200
+    assert metric(server, "diffar_cancelled_total") == before + 1
+    assert 1 <= metric(server, "diffar_generated_tokens_total") - tokens_before < 300
     assert httpx.get(server + "/health").json()["status"] == "ok"
+
+
+def test_streamed_text_never_shows_a_stop_string(client):
+    full = client.completions.create(model="tiny", prompt="And he said", max_tokens=16, temperature=0).choices[0].text
+    stop = full[-3:]
+    cut = full[: full.find(stop)]
+    chunks = list(client.completions.create(model="tiny", prompt="And he said", max_tokens=16, temperature=0,
+                                            stop=[stop], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == cut
+
+
+def test_lone_surrogates_are_a_400(server):
+    raw = b'{"prompt": "abc \\ud800 def", "max_tokens": 2}'
+    r = httpx.post(server + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
 
 
 def test_full_queue_answers_429_and_loses_nothing(tiny_run):

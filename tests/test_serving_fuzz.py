@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from tests.conftest import start_server
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=40),
+    st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=40) | st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1, max_size=3),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=6,
 )
@@ -36,6 +37,8 @@ def fields(server):
 PLAUSIBLE = {
     "prompt": st.text(max_size=60),
     "max_tokens": st.integers(-3, 40) | st.just(10**9),
+    "seed": st.integers(-2**70, 2**70),
+    "stop": st.lists(st.text(max_size=70), max_size=6),
     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bot"]),
                                                 "content": st.text(max_size=30)}), max_size=3),
     "stream": st.booleans(),
@@ -60,12 +63,14 @@ def test_fuzzed_bodies_never_500(server, fields, data):
     body = data.draw(bodies(fields[path]))
     if "max_tokens" not in body:
         body["max_tokens"] = 4  # keep valid requests short
-    r = httpx.post(server + path, json=body, timeout=60)
+    # ensure_ascii keeps lone surrogates as \\udXXX escapes: valid JSON that is not valid UTF-8 text
+    r = httpx.post(server + path, content=json.dumps(body).encode(), timeout=60,
+                   headers={"content-type": "application/json"})
     assert r.status_code in (200, 400, 404, 429), (body, r.status_code, r.text)
     if r.status_code >= 400:
         err = r.json()["error"]
         assert isinstance(err["message"], str) and err["message"] and err["type"]
-    elif body.get("stream") is True:
+    elif r.headers["content-type"].startswith("text/event-stream"):
         assert r.text.rstrip().endswith("data: [DONE]")
     else:
         assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")

@@ -123,7 +123,13 @@ def decode_n_tokens(
     out: list[list[int]] = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool)
     passes = 0
+    last_pin = [max(pins, default=-1) for pins in (fixed or ())]
     for i in range(n):
+        if eos_id is not None and any(p > i for p in last_pin):
+            logits = logits.clone()  # a row may not end before the tokens pinned further on
+            for row, p in enumerate(last_pin):
+                if p > i:
+                    logits[row, eos_id] = float("-inf")
         token = sample_next(logits, sampling, generator)
         for row, pins in enumerate(fixed or ()):
             if i in pins:

@@ -3,6 +3,7 @@ server-sent-event streaming, Prometheus metrics, and errors in OpenAI's shape (4
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -18,7 +19,7 @@ from starlette.exceptions import HTTPException
 
 from diffar.data.batching import prompt_ids
 from diffar.decoding.sampling import SamplingConfig
-from diffar.serving.engine import BatchStats, Engine, Event, QueueFull, Request
+from diffar.serving.engine import BatchStats, Engine, EngineDown, Event, QueueFull, Request
 from diffar.serving.protocol import METHODS, ChatCompletionRequest, CompletionRequest, error_body
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -28,6 +29,21 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
                  param: str | None = None):
         self.status, self.body = status, error_body(message, type_, code, param)
+
+
+class CancellingStream(StreamingResponse):
+    """A streaming response that cancels its generation however the stream ends (a client that hangs up
+    mid-send included), so the row is freed at once rather than when the generator is collected."""
+
+    def __init__(self, request: Request, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.generation = request
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.cancelled.set()
 
 
 class Metrics:
@@ -43,9 +59,15 @@ class Metrics:
         self.tokens = Counter("diffar_generated_tokens", "tokens generated", registry=self.registry)
         self.tokens_per_s = Gauge("diffar_tokens_per_second", "tokens/s of the last batch", registry=self.registry)
         self.queued = Gauge("diffar_queue_depth", "requests waiting for a batch", registry=self.registry)
+        self.cancelled = Counter("diffar_cancelled", "generations cut short by a client that went away",
+                                 registry=self.registry)
+        self.generation = Histogram("diffar_generation_seconds", "submit to last token (streams included)",
+                                    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+                                    registry=self.registry)
 
     def observe_batch(self, stats: BatchStats) -> None:
         self.batch_size.observe(stats.size)
+        self.cancelled.inc(stats.cancelled)
         self.tokens.inc(stats.new_tokens)
         self.tokens_per_s.set(stats.new_tokens / stats.seconds if stats.seconds > 0 else 0.0)
 
@@ -79,6 +101,10 @@ def create_app(model, tokenizer, meta: dict, model_id: str, *, max_batch_size: i
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
         return JSONResponse(error_body(message, "invalid_request_error", "invalid_request", where or None), 400)
 
+    @app.exception_handler(Exception)
+    async def unexpected(_, exc: Exception):  # a bug, but still an answer in the OpenAI shape
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), 500)
+
     @app.exception_handler(HTTPException)
     async def http_error(_, exc: HTTPException):
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error", str(exc.status_code)),
@@ -104,14 +130,16 @@ def create_app(model, tokenizer, meta: dict, model_id: str, *, max_batch_size: i
         if body.method not in served_methods:
             raise APIError(400, f"method {body.method!r} is not served here (serving: {', '.join(served_methods)})",
                            param="method")
+        prompt_field = "prompt" if isinstance(body, CompletionRequest) else "messages"
         if not text.strip():
-            raise APIError(400, "empty prompt", param="prompt")
+            raise APIError(400, "empty prompt", param=prompt_field)
         ids = prompt_ids(tokenizer, task, text)
         room = engine.context - len(ids)
-        max_tokens = body.max_tokens or min(256, room)
+        max_tokens = body.token_budget or min(256, room)
         if room <= 0 or max_tokens > room:
             raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
-                                f"{engine.context} tokens", code="context_length_exceeded", param="max_tokens")
+                                f"{engine.context} tokens", code="context_length_exceeded",
+                           param=prompt_field if room <= 0 else "max_tokens")
         return Request(ids, max_tokens, SamplingConfig(body.temperature, body.top_k, body.top_p),
                        stop=body.stop_list(), seed=body.seed, fixed=pins(body.fixed_tokens or {}, max_tokens))
 
@@ -124,19 +152,28 @@ def create_app(model, tokenizer, meta: dict, model_id: str, *, max_batch_size: i
             if pos < 0 or pos + len(ids) > max_tokens:
                 raise APIError(400, f"fixed_tokens[{pos}] lies outside the {max_tokens} tokens generated",
                                param="fixed_tokens")
+            if any(pos + j in out for j in range(len(ids))):
+                raise APIError(400, f"fixed_tokens[{pos}] overlaps an earlier pin", param="fixed_tokens")
             out.update({pos + j: t for j, t in enumerate(ids)})
         return out
 
-    async def events(req: Request) -> AsyncIterator[Event]:
-        """The request's events until its final one; a consumer that stops early cancels the request."""
+    async def events(req: Request, http: HTTPRequest | None = None) -> AsyncIterator[Event]:
+        """The request's events until its final one. A consumer that stops early, or (when `http` is
+        given) a client that disconnects, cancels the request and frees its batch row."""
         try:
             while True:
-                event = await req.events.get()
+                try:
+                    event = await asyncio.wait_for(req.events.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if http is not None and await http.is_disconnected():
+                        return
+                    continue
                 yield event
                 if event.finish_reason is not None:
                     return
         finally:
             req.cancelled.set()
+            metrics.generation.observe(time.perf_counter() - req.submitted)
 
     def submit(req: Request) -> None:
         try:
@@ -144,9 +181,12 @@ def create_app(model, tokenizer, meta: dict, model_id: str, *, max_batch_size: i
         except QueueFull:
             raise APIError(429, "server busy: the request queue is full, retry later", "rate_limit_error",
                            code="queue_full") from None
+        except EngineDown:
+            raise APIError(503, "the generation worker is down; restart the server", "server_error",
+                           code="engine_down") from None
         metrics.queued.set(engine.queued())
 
-    async def respond(body, text: str, chat: bool):
+    async def respond(body, text: str, chat: bool, http: HTTPRequest):
         req = make_request(body, text)
         submit(req)
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
@@ -175,10 +215,10 @@ def create_app(model, tokenizer, meta: dict, model_id: str, *, max_batch_size: i
                     yield f"data: {json.dumps(chunk)}\n\n"
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(sse(), media_type="text/event-stream")
+            return CancellingStream(req, sse(), media_type="text/event-stream")
 
         finish = None
-        async for ev in events(req):
+        async for ev in events(req, http):
             if ev.error:
                 raise APIError(503, f"generation failed: {ev.error}", "server_error")
             finish = ev.finish_reason
@@ -194,15 +234,16 @@ def create_app(model, tokenizer, meta: dict, model_id: str, *, max_batch_size: i
         latency = time.perf_counter() - req.submitted
         return {"method": "ar", "latency_ms": round(1000 * latency, 1),
                 "tokens_per_s": round(len(req.tokens) / latency, 1) if latency > 0 else None,
-                "token_ids": req.tokens, "tokens": [tokenizer.decode([t]) for t in req.tokens]}
+                "token_ids": req.tokens, "tokens": [tokenizer.decode([t]) for t in req.tokens],
+                "fixed_positions": sorted(req.fixed)}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await respond(body, body.prompt, chat=False)
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        return await respond(body, body.prompt, chat=False, http=http)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        return await respond(body, body.prompt_text(task), chat=True)
+    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
+        return await respond(body, body.prompt_text(task), chat=True, http=http)
 
     @app.get("/v1/models")
     async def models():
@@ -211,7 +252,8 @@ def create_app(model, tokenizer, meta: dict, model_id: str, *, max_batch_size: i
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_id, "queued": engine.queued()}
+        body = {"status": "ok" if engine.alive else "down", "model": model_id, "queued": engine.queued()}
+        return JSONResponse(body, status_code=200 if engine.alive else 503)
 
     @app.get("/metrics")
     async def prometheus():

@@ -5,6 +5,7 @@ more with the same sampling settings (up to `max_batch_size`), and decodes them 
 each row stops on its own (eos, its token budget, a stop string, or its client going away). Tokens are
 handed to the asyncio side as they are produced, so streaming clients see them live. The waiting line is
 bounded: a full line refuses new requests instead of growing without limit.
+A seeded sampled request runs in a batch of its own, so its output is reproducible under any load.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from diffar.tokenizer import Tokenizer
 
 class QueueFull(Exception):
     """The waiting line is at capacity; the caller should retry later (HTTP 429)."""
+
+
+class EngineDown(Exception):
+    """The worker thread is not running; nothing submitted would ever be answered (HTTP 503)."""
 
 
 @dataclass
@@ -55,11 +60,20 @@ class Request:
     stop_hit: bool = False
 
     def batch_key(self) -> tuple:
-        """Requests batch together only when one sampling procedure serves them all."""
-        return (self.sampling, self.seed) if not self.sampling.greedy else (self.sampling,)
+        """Requests batch together only when one sampling procedure serves them all. A seeded sampled
+        request runs alone, so its output depends on its seed and not on who else was waiting."""
+        if self.sampling.greedy:
+            return (self.sampling,)
+        return (self.sampling, id(self)) if self.seed is not None else (self.sampling,)
 
     def emit(self, event: Event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        """Hand an event to the request's event loop (which may be gone if the server is stopping)."""
+        if self.loop.is_closed():
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # closed between the check and the call
+            pass
 
     def push(self, token: int, tokenizer: Tokenizer) -> bool:
         """Take one generated token, stream what is safe to show; False once the request is finished.
@@ -101,6 +115,7 @@ class BatchStats:
     size: int
     new_tokens: int
     seconds: float
+    cancelled: int = 0  # rows whose client went away mid-generation
 
 
 class Engine:
@@ -109,16 +124,22 @@ class Engine:
     def __init__(self, model, tokenizer: Tokenizer, *, max_batch_size: int = 16, window_ms: float = 10.0,
                  max_queue: int = 4096, on_batch=None):
         self.model, self.tokenizer = model, tokenizer
-        self.max_batch_size, self.window = max_batch_size, window_ms / 1000
-        self.incoming: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
+        self.max_batch_size, self.window, self.max_queue = max_batch_size, window_ms / 1000, max_queue
         self.on_batch = on_batch  # called with BatchStats after every batch (metrics)
-        self._held: deque[Request] = deque()  # taken from `incoming` but not yet batched
+        self.incoming: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._held: deque[Request] = deque()  # taken from `incoming`, passed over by the last batch
+        self._waiting = 0  # submitted, not yet in a batch: bounded by max_queue
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="diffar-engine", daemon=True)
 
     @property
     def context(self) -> int:
         return self.model.config.max_seq_len
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def start(self) -> None:
         self._thread.start()
@@ -128,15 +149,18 @@ class Engine:
         self._thread.join(timeout=10)
 
     def submit(self, request: Request) -> Request:
+        if not self.alive:
+            raise EngineDown
         request.loop = request.loop or asyncio.get_running_loop()
-        try:
-            self.incoming.put_nowait(request)
-        except queue.Full:
-            raise QueueFull from None
+        with self._lock:
+            if self._waiting >= self.max_queue:
+                raise QueueFull
+            self._waiting += 1
+        self.incoming.put(request)
         return request
 
     def queued(self) -> int:
-        return self.incoming.qsize() + len(self._held)
+        return self._waiting
 
     # ---- worker -----------------------------------------------------------------------------------
     def _next(self, timeout: float) -> Request | None:
@@ -148,40 +172,55 @@ class Engine:
             return None
 
     def _collect(self) -> list[Request]:
+        """The oldest waiting request plus those that can share its batch, arriving within the window.
+
+        A request joins if it samples the same way and the batch still fits the context; others keep
+        their place in line. At most `max_batch_size` are passed over per batch, so the scan is bounded.
+        """
         first = self._next(timeout=0.1)
         if first is None:
             return []
-        batch, key, deadline, passed = [first], first.batch_key(), time.perf_counter() + self.window, []
-        while len(batch) < self.max_batch_size:
+        batch, passed = [first], []
+        key, deadline = first.batch_key(), time.perf_counter() + self.window
+        longest, budget = len(first.prompt_ids), first.max_tokens
+        while len(batch) < self.max_batch_size and len(passed) < self.max_batch_size:
             nxt = self._next(timeout=max(0.0, deadline - time.perf_counter()))
             if nxt is None:
                 break
-            (batch if nxt.batch_key() == key else passed).append(nxt)
+            fits = max(longest, len(nxt.prompt_ids)) + max(budget, nxt.max_tokens) <= self.context
+            if nxt.batch_key() == key and fits:
+                batch.append(nxt)
+                longest, budget = max(longest, len(nxt.prompt_ids)), max(budget, nxt.max_tokens)
+            else:
+                passed.append(nxt)
         self._held.extendleft(reversed(passed))  # keep arrival order for the next batch
+        with self._lock:
+            self._waiting -= len(batch)
         return [r for r in batch if not r.cancelled.is_set()]
 
     def _run(self) -> None:
         with torch.inference_mode():
             while not self._stop.is_set():
-                batch = self._collect()
-                if batch:
-                    self._decode(batch)
+                batch = []
+                try:
+                    batch = self._collect()
+                    if batch:
+                        self._decode(batch)
+                except Exception as e:  # never let one bad batch kill the worker
+                    for r in batch:
+                        r.emit(Event(finish_reason="error", error=f"{type(e).__name__}: {e}"))
 
     def _decode(self, batch: list[Request]) -> None:
         tok = self.tokenizer
         generator = torch.Generator().manual_seed(batch[0].seed) if batch[0].seed is not None else None
         t0 = time.perf_counter()
-        try:
-            generate(self.model, [r.prompt_ids for r in batch], max(r.max_tokens for r in batch),
-                     pad_id=tok.pad_id, eos_id=tok.eos_id, sampling=batch[0].sampling,
-                     on_token=lambda row, token: batch[row].push(token, tok), generator=generator,
-                     fixed=[r.fixed for r in batch])
-        except Exception as e:  # never let one bad batch kill the worker
-            for r in batch:
-                r.emit(Event(finish_reason="error", error=str(e)))
-            return
+        generate(self.model, [r.prompt_ids for r in batch], max(r.max_tokens for r in batch),
+                 pad_id=tok.pad_id, eos_id=tok.eos_id, sampling=batch[0].sampling,
+                 on_token=lambda row, token: batch[row].push(token, tok), generator=generator,
+                 fixed=[r.fixed for r in batch])
         seconds = time.perf_counter() - t0
         for r in batch:
             r.finish(tok)
         if self.on_batch:
-            self.on_batch(BatchStats(len(batch), sum(len(r.tokens) for r in batch), seconds))
+            self.on_batch(BatchStats(len(batch), sum(len(r.tokens) for r in batch), seconds,
+                                     sum(r.cancelled.is_set() for r in batch)))

@@ -8,11 +8,12 @@ Without --url it starts the server itself on a free 127.0.0.1 port — once with
 from __future__ import annotations
 
 import asyncio
-import os
+import math
 import resource
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -43,9 +44,10 @@ class LoadResult:
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
+    """The nearest-rank percentile."""
     if not sorted_values:
         return float("nan")
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
 
 
 async def _drive(url: str, prompts: list[str], concurrency: int, total: int, max_tokens: int,
@@ -66,17 +68,18 @@ async def _drive(url: str, prompts: list[str], concurrency: int, total: int, max
                 try:
                     r = await client.post("/v1/completions", json=body,
                                           timeout=max(0.1, deadline - time.perf_counter()))
-                except httpx.TimeoutException:
-                    return  # counted as lost
-                except httpx.TransportError:
+                    n = r.json()["usage"]["completion_tokens"] if r.status_code == 200 else None
+                except httpx.ReadTimeout:
+                    return  # sent, never answered in time: counted as lost
+                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                    errors += 1  # refused, broken, or a 200 that is not a completion
+                    continue
+                if n is None:
                     errors += 1
                     continue
-                if r.status_code == 200:
-                    completed += 1
-                    tokens += r.json()["usage"]["completion_tokens"]
-                    latencies.append(time.perf_counter() - t0)
-                else:
-                    errors += 1
+                completed += 1
+                tokens += n
+                latencies.append(time.perf_counter() - t0)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -109,17 +112,19 @@ def local_server(checkpoint: str, max_batch_size: int, max_queue: int):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    log = tempfile.TemporaryFile(mode="w+")  # a pipe nobody reads would block the server once full
     proc = subprocess.Popen(
         [sys.executable, "-m", "diffar.cli", "serve", "--checkpoint", checkpoint, "--port", str(port),
          "--max-batch-size", str(max_batch_size), "--max-queue", str(max_queue)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=log, stderr=subprocess.STDOUT, text=True,
     )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
         while True:
             if proc.poll() is not None:
-                raise DiffarError(f"the server did not start: {proc.stderr.read().strip().splitlines()[-1:]}")
+                log.seek(0)
+                raise DiffarError(f"the server did not start: {log.read().strip().splitlines()[-1:]}")
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
@@ -135,6 +140,7 @@ def local_server(checkpoint: str, max_batch_size: int, max_queue: int):
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
 
 
 def print_results(results: list[LoadResult]) -> None:

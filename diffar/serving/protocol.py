@@ -6,11 +6,26 @@ while the AR method ignores them, so a client learns about a typo at once.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 METHODS = ("ar", "dd2", "refusion")
+StopString = Annotated[str, StringConstraints(max_length=64)]
+
+
+def _check_utf8(value):
+    """Lone surrogates survive JSON parsing but not UTF-8 tokenisation: reject them here (a 400)."""
+    if isinstance(value, str):
+        value.encode("utf-8")
+    elif isinstance(value, dict):
+        for v in value.values():
+            _check_utf8(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _check_utf8(v)
+    elif isinstance(value, BaseModel):
+        _check_utf8(dict(value))
 
 
 class GenerationFields(BaseModel):
@@ -18,12 +33,13 @@ class GenerationFields(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
+    stop: StopString | list[StopString] | None = Field(default=None, max_length=4)
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     # diffar's own
     method: str = "ar"
     top_k: int = Field(default=0, ge=0)
@@ -32,6 +48,18 @@ class GenerationFields(BaseModel):
     preset: Literal["speed", "quality"] | None = None
     # Human-in-the-loop: output position -> a token id to keep, or text to put there (it may span tokens)
     fixed_tokens: dict[int, int | str] | None = None
+
+    @model_validator(mode="after")
+    def _utf8(self):
+        try:
+            _check_utf8(dict(self))
+        except UnicodeEncodeError:
+            raise ValueError("text must be valid UTF-8 (it holds a lone surrogate)") from None
+        return self
+
+    @property
+    def token_budget(self) -> int | None:
+        return self.max_tokens or self.max_completion_tokens
 
     def stop_list(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -42,9 +70,18 @@ class CompletionRequest(GenerationFields):
     prompt: str
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(GenerationFields):
@@ -54,9 +91,9 @@ class ChatCompletionRequest(GenerationFields):
         """diffar's models are not chat-tuned: a seq2seq model translates the last user message, a
         continuation model continues the conversation's text."""
         if task == "seq2seq":
-            users = [m.content for m in self.messages if m.role == "user"]
+            users = [m.text for m in self.messages if m.role == "user"]
             return users[-1] if users else ""
-        return "\n".join(m.content for m in self.messages)
+        return "\n".join(m.text for m in self.messages)
 
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
