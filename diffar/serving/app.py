@@ -23,6 +23,7 @@ from diffar.serving.engine import BatchStats, Engine, EngineDown, Event, QueueFu
 from diffar.serving.protocol import METHODS, ChatCompletionRequest, CompletionRequest, error_body
 
 STATIC = Path(__file__).resolve().parent / "static"
+DISCONNECT_POLL_S = 5.0  # how often a waiting non-streaming request checks that its client is still there
 
 
 class APIError(Exception):
@@ -141,7 +142,8 @@ def create_app(model, tokenizer, meta: dict, model_id: str, *, max_batch_size: i
                                 f"{engine.context} tokens", code="context_length_exceeded",
                            param=prompt_field if room <= 0 else "max_tokens")
         return Request(ids, max_tokens, SamplingConfig(body.temperature, body.top_k, body.top_p),
-                       stop=body.stop_list(), seed=body.seed, fixed=pins(body.fixed_tokens or {}, max_tokens))
+                       stop=body.stop_list(), seed=body.seed, fixed=pins(body.fixed_tokens or {}, max_tokens),
+                       stream=body.stream)
 
     def pins(fixed: dict[int, int | str], max_tokens: int) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -163,7 +165,7 @@ def create_app(model, tokenizer, meta: dict, model_id: str, *, max_batch_size: i
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(req.events.get(), timeout=1.0)
+                    event = await asyncio.wait_for(req.events.get(), timeout=DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     if http is not None and await http.is_disconnected():
                         return

@@ -50,6 +50,7 @@ class Request:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     fixed: dict[int, int] = field(default_factory=dict)  # output position -> pinned token
+    stream: bool = True  # False: the consumer wants only the final event (no per-token wake-ups)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -101,7 +102,8 @@ class Request:
 
     def _show(self, text: str) -> None:
         if len(text) > len(self.text):
-            self.emit(Event(text=text[len(self.text):]))
+            if self.stream:
+                self.emit(Event(text=text[len(self.text):]))
             self.text = text
 
 

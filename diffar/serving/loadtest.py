@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
@@ -22,6 +23,8 @@ import httpx
 
 from diffar.errors import DiffarError
 from diffar.evaluation.hardware import cpu_name
+
+POOL = 50  # client connections per httpx pool
 
 
 @dataclass
@@ -33,6 +36,7 @@ class LoadResult:
     completed: int  # answered 200
     errors: int  # answered otherwise, or failed in transport
     lost: int  # sent but never answered before the time limit
+    error_kinds: dict  # HTTP status or exception name -> count
     seconds: float
     requests_per_s: float
     tokens_per_s: float
@@ -51,39 +55,47 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 
 async def _drive(url: str, prompts: list[str], concurrency: int, total: int, max_tokens: int,
-                 time_limit: float) -> tuple[list[float], int, int, int, int, float]:
-    """(latencies of successes, sent, completed, errors, completion tokens, seconds)."""
+                 time_limit: float) -> tuple[list[float], int, int, Counter, int, float]:
+    """(latencies of successes, sent, completed, errors by kind, completion tokens, seconds)."""
     latencies: list[float] = []
-    sent = completed = errors = tokens = 0
+    sent = completed = tokens = 0
+    errors: Counter = Counter()
     deadline = time.perf_counter() + time_limit
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(time_limit)) as client:
-        async def worker():
-            nonlocal sent, completed, errors, tokens
-            while sent < total and time.perf_counter() < deadline:
-                body = {"prompt": prompts[sent % len(prompts)], "max_tokens": max_tokens, "temperature": 0}
-                sent += 1
-                t0 = time.perf_counter()
-                try:
-                    r = await client.post("/v1/completions", json=body,
-                                          timeout=max(0.1, deadline - time.perf_counter()))
-                    n = r.json()["usage"]["completion_tokens"] if r.status_code == 200 else None
-                except httpx.ReadTimeout:
-                    return  # sent, never answered in time: counted as lost
-                except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                    errors += 1  # refused, broken, or a 200 that is not a completion
-                    continue
-                if n is None:
-                    errors += 1
-                    continue
-                completed += 1
-                tokens += n
-                latencies.append(time.perf_counter() - t0)
+    # Clients share connection pools of POOL connections each: one pool of a thousand costs the client more
+    # CPU than the server spends answering (httpcore scans its pool per request), a pool per client
+    # costs a TLS context each.
+    pools = [httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(time_limit),
+                               limits=httpx.Limits(max_connections=POOL, max_keepalive_connections=POOL))
+             for _ in range(math.ceil(concurrency / POOL))]
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        seconds = time.perf_counter() - t0
+    async def client_loop(client: httpx.AsyncClient):
+        """One client: one request at a time until the run's budget of requests or time is spent."""
+        nonlocal sent, completed, tokens
+        while sent < total and time.perf_counter() < deadline:
+            body = {"prompt": prompts[sent % len(prompts)], "max_tokens": max_tokens, "temperature": 0}
+            sent += 1
+            t0 = time.perf_counter()
+            try:
+                r = await client.post("/v1/completions", json=body, timeout=max(0.1, deadline - time.perf_counter()))
+                n = r.json()["usage"]["completion_tokens"] if r.status_code == 200 else None
+            except httpx.ReadTimeout:
+                return  # sent, never answered in time: counted as lost
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                errors[type(e).__name__] += 1  # refused, broken, or a 200 that is not a completion
+                continue
+            if n is None:
+                errors[f"HTTP {r.status_code}"] += 1
+                continue
+            completed += 1
+            tokens += n
+            latencies.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client_loop(pools[i % len(pools)]) for i in range(concurrency)))
+    seconds = time.perf_counter() - t0
+    for pool in pools:
+        await pool.aclose()
     return sorted(latencies), sent, completed, errors, tokens, seconds
 
 
@@ -91,9 +103,10 @@ def run_load(url: str, prompts: list[str], *, concurrency: int, requests: int, m
              label: str, max_batch_size: int | None) -> LoadResult:
     latencies, sent, completed, errors, tokens, seconds = asyncio.run(
         _drive(url, prompts, concurrency, requests, max_tokens, time_limit))
+    n_errors = sum(errors.values())
     return LoadResult(
         label=label, max_batch_size=max_batch_size, concurrency=concurrency, requests=sent, completed=completed,
-        errors=errors, lost=sent - completed - errors, seconds=round(seconds, 2),
+        errors=n_errors, lost=sent - completed - n_errors, error_kinds=dict(errors), seconds=round(seconds, 2),
         requests_per_s=round(completed / seconds, 2), tokens_per_s=round(tokens / seconds, 1),
         p50_ms=round(1000 * _percentile(latencies, 0.50), 1), p95_ms=round(1000 * _percentile(latencies, 0.95), 1),
         p99_ms=round(1000 * _percentile(latencies, 0.99), 1), max_tokens=max_tokens, device=cpu_name())
@@ -149,6 +162,9 @@ def print_results(results: list[LoadResult]) -> None:
     for r in results:
         print(f"{r.label:<22}{r.concurrency:>6}{r.requests:>7}{r.completed:>7}{r.errors:>5}{r.lost:>5}"
               f"{r.requests_per_s:>8.2f}{r.tokens_per_s:>9.1f}{r.p50_ms:>9.0f}{r.p95_ms:>9.0f}{r.p99_ms:>9.0f}")
+    for r in results:
+        if r.error_kinds:
+            print(f"{r.label} errors: {r.error_kinds}")
     if len(results) == 2 and results[1].tokens_per_s > 0:
         print(f"dynamic batching throughput: {results[0].tokens_per_s / results[1].tokens_per_s:.2f}x "
               f"one-request-at-a-time")
