@@ -57,9 +57,11 @@ def test_fixed_tokens_are_kept_and_decoding_follows_them(tiny_model):
 
 def test_sampling_is_seeded(tiny_model):
     cfg = SamplingConfig(temperature=1.0, top_k=50, top_p=0.9)
-    a = generate(tiny_model, PROMPTS, 10, pad_id=0, eos_id=None, sampling=cfg, generator=torch.Generator().manual_seed(3))
-    b = generate(tiny_model, PROMPTS, 10, pad_id=0, eos_id=None, sampling=cfg, generator=torch.Generator().manual_seed(3))
-    c = generate(tiny_model, PROMPTS, 10, pad_id=0, eos_id=None, sampling=cfg, generator=torch.Generator().manual_seed(4))
+    def run(seed):
+        return generate(tiny_model, PROMPTS, 10, pad_id=0, eos_id=None, sampling=cfg,
+                        generator=torch.Generator().manual_seed(seed))
+
+    a, b, c = run(3), run(3), run(4)
     assert a.tokens == b.tokens != c.tokens
 
 

@@ -62,7 +62,8 @@ def test_stop_sequences(client):
 
 def test_batched_equals_unbatched(server):
     prompts = [f"And the LORD said unto Moses, {w}" for w in
-               ("Go", "Speak unto the children", "Stretch out thine hand", "Take", "Behold", "Rise up early", "I", "Come")]
+               ("Go", "Speak unto the children", "Stretch out thine hand", "Take", "Behold", "Rise up early", "I",
+                "Come")]
 
     def body(p):
         return {"prompt": p, "max_tokens": 10, "temperature": 0}

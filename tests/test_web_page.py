@@ -38,7 +38,8 @@ def tokens(driver):
 def generate(driver, button: str):
     driver.execute_script("document.getElementById('stats').textContent = ''")
     driver.find_element(By.ID, button).click()
-    WebDriverWait(driver, 60).until(lambda d: d.find_element(By.ID, "stats").text or d.find_element(By.ID, "error").text)
+    WebDriverWait(driver, 60).until(lambda d: d.find_element(By.ID, "stats").text
+                                    or d.find_element(By.ID, "error").text)
     assert driver.find_element(By.ID, "error").text == ""
 
 

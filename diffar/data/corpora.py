@@ -106,7 +106,8 @@ def load_corpus(name_or_path: str, split: str = "train", *, whole: bool = False)
         return Corpus(name_or_path, "continuation", documents=[r["text"] for r in records])
     path = Path(name_or_path).resolve()
     if not path.exists():
-        raise DiffarError(f"unknown corpus {name_or_path!r}: not one of {', '.join(EMBEDDED)} and no such file or folder")
+        raise DiffarError(f"unknown corpus {name_or_path!r}: not one of {', '.join(EMBEDDED)} "
+                          f"and no such file or folder")
     if path.is_dir():
         files = sorted(path.glob("*.txt"))
         if not files:

@@ -53,8 +53,9 @@ class Metrics:
         self.requests = Counter("diffar_requests", "HTTP requests", ["path", "status"], registry=self.registry)
         self.errors = Counter("diffar_errors", "HTTP responses with status >= 400", ["path", "status"],
                               registry=self.registry)
-        self.latency = Histogram("diffar_request_latency_seconds", "request latency", ["path"],
-                                 buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=self.registry)
+        self.latency = Histogram("diffar_request_latency_seconds", "time to response (headers, for streams)",
+                                 ["path"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+                                 registry=self.registry)
         self.batch_size = Histogram("diffar_batch_size", "requests decoded together",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
         self.tokens = Counter("diffar_generated_tokens", "tokens generated", registry=self.registry)
@@ -87,7 +88,6 @@ def create_app(model, tokenizer, meta: dict, model_id: str, *, max_batch_size: i
         engine.stop()
 
     app = FastAPI(title="diffar", version="0.1.0", lifespan=lifespan)
-    app.state.engine = engine
 
     @app.exception_handler(APIError)
     async def api_error(_, exc: APIError):

@@ -39,7 +39,6 @@ class Event:
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | None while running
     error: str | None = None
-    tokens: list[int] | None = None  # with the final event: every generated token id
 
 
 @dataclass
@@ -98,7 +97,7 @@ class Request:
         if not self.stop_hit:
             self._show(tokenizer.decode(self.tokens))
         stopped = self.stop_hit or len(self.tokens) < self.max_tokens
-        self.emit(Event(finish_reason="stop" if stopped else "length", tokens=list(self.tokens)))
+        self.emit(Event(finish_reason="stop" if stopped else "length"))
 
     def _show(self, text: str) -> None:
         if len(text) > len(self.text):
