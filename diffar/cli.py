@@ -87,6 +87,7 @@ def cmd_generate(args) -> None:
     from diffar.data.batching import prompt_ids
     from diffar.decoding.ar import generate
     from diffar.decoding.sampling import SamplingConfig
+    from diffar.decoding.speculative import speculative_generate
 
     text = args.prompt if args.prompt is not None else sys.stdin.read()
     if not text.strip():
@@ -95,6 +96,7 @@ def cmd_generate(args) -> None:
     if args.max_new_tokens <= 0:
         raise DiffarError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     model, tokenizer, meta = load_checkpoint(args.checkpoint, args.tokenizer)
+    proposer = _proposer(args, tokenizer)
     ids = prompt_ids(tokenizer, meta["task"], text)
     generator = torch.Generator().manual_seed(args.seed)
     new: list[int] = []
@@ -111,14 +113,40 @@ def cmd_generate(args) -> None:
 
     if meta["task"] == "continuation" and not args.no_echo:
         sys.stdout.write(text)
-    result = generate(model, [ids], args.max_new_tokens, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
-                      sampling=sampling, on_token=stream, generator=generator, use_cache=not args.no_cache)
+    if proposer is None:
+        result = generate(model, [ids], args.max_new_tokens, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
+                          sampling=sampling, on_token=stream, generator=generator, use_cache=not args.no_cache)
+        n, passes, extra = result.new_tokens, result.forward_passes, "KV cache" if not args.no_cache else "no cache"
+    else:
+        result = speculative_generate(model, proposer, ids, args.max_new_tokens, k=args.k, eos_id=tokenizer.eos_id,
+                                      sampling=sampling, generator=generator, on_token=stream)
+        n, passes = len(result.tokens), result.target_passes
+        extra = f"{result.accepted}/{result.drafted} drafts accepted, {result.draft_passes} draft passes"
     sys.stdout.write(tokenizer.decode(new)[len(printed):] + "\n")
     sys.stdout.flush()
-    print(f"[ar] {result.new_tokens} tokens in {result.seconds:.2f} s = {result.tokens_per_s:.1f} tokens/s | "
-          f"{result.forward_passes} forward passes ({result.new_tokens / result.forward_passes:.2f} tokens/pass) | "
-          f"prompt {len(ids)} tokens | batch 1 | {'KV cache' if not args.no_cache else 'no cache'}",
+    method = "ar" if proposer is None else "ar+draft" if args.draft else "ar+prompt-lookup"
+    print(f"[{method}] {n} tokens in {result.seconds:.2f} s = {n / result.seconds:.1f} tokens/s | "
+          f"{passes} forward passes ({n / passes:.2f} tokens/pass) | prompt {len(ids)} tokens | batch 1 | {extra}",
           file=sys.stderr)
+
+
+def _proposer(args, tokenizer):
+    """The drafter `generate` verifies against, if any: a draft model or prompt lookup."""
+    from diffar.checkpoint import load_checkpoint
+    from diffar.decoding.speculative import DraftModel, PromptLookup
+
+    if args.k <= 0:
+        raise DiffarError(f"--k must be positive, got {args.k}")
+    if args.draft and args.prompt_lookup:
+        raise DiffarError("choose one drafter: --draft or --prompt-lookup")
+    if args.prompt_lookup:
+        return PromptLookup()
+    if not args.draft:
+        return None
+    draft, draft_tokenizer, _ = load_checkpoint(args.draft)
+    if draft_tokenizer.sha256 != tokenizer.sha256:
+        raise DiffarError(f"draft {args.draft} and the checkpoint use different tokenizers; they must share one")
+    return DraftModel(draft)
 
 
 # ---- eval / bench ---------------------------------------------------------------------------------
@@ -184,6 +212,16 @@ def cmd_loadtest(args) -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results_json(results), indent=2) + "\n")
+
+
+def cmd_bench_speculative(args) -> None:
+    from diffar.evaluation.bench import bench_speculative, print_table, write_records
+
+    if args.k <= 0:
+        raise DiffarError(f"--k must be positive, got {args.k}")
+    records = bench_speculative(args.checkpoint, args.draft, args.corpus, args.prompts, args.new_tokens, args.k)
+    print_table(records)
+    write_records(records, args.out)
 
 
 # ---- parser ---------------------------------------------------------------------------------------
@@ -259,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-cache", action="store_true", help="recompute every step (slow; for comparison)")
     g.add_argument("--no-echo", action="store_true", help="do not repeat a continuation prompt")
+    g.add_argument("--draft", help="speculative decoding: a small AR checkpoint (same tokenizer) drafts tokens")
+    g.add_argument("--prompt-lookup", action="store_true", help="speculative decoding: draft by copying n-grams")
+    g.add_argument("--k", type=int, default=8, help="draft length for --draft / --prompt-lookup")
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval", help="BLEU-4/chrF/ROUGE-L and perplexity on a corpus split")
@@ -280,6 +321,15 @@ def build_parser() -> argparse.ArgumentParser:
     bar.add_argument("--repeats", type=_positive_int, default=1)
     bar.add_argument("--out", required=True, help="JSON file to write")
     bar.set_defaults(func=cmd_bench_ar)
+    bsp = b_sub.add_parser("speculative", help="AR vs lossless prompt-lookup and draft-model decoding (batch 1)")
+    bsp.add_argument("--checkpoint", default="checkpoints/ar-kjv2web")
+    bsp.add_argument("--draft", default="checkpoints/draft-kjv2web", help="the small AR drafter")
+    bsp.add_argument("--corpus", help="prompts from this corpus's test split (default: the checkpoint's corpus)")
+    bsp.add_argument("--prompts", type=_positive_int, default=32)
+    bsp.add_argument("--new-tokens", type=_positive_int, default=256)
+    bsp.add_argument("--k", type=int, default=8, help="draft length")
+    bsp.add_argument("--out", required=True, help="JSON file to write")
+    bsp.set_defaults(func=cmd_bench_speculative)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with dynamic batching and streaming")
     sv.add_argument("--checkpoint", required=True)

@@ -34,10 +34,21 @@ def tokenizer_path(tokenizer, tmp_path_factory):
     return path
 
 
+def random_model(seed: int, vocab: int = 512, **overrides) -> Transformer:
+    """A `tiny` model with large random weights. (At the usual small init, tied embeddings make an
+    untrained model repeat its last token forever, which would let decoding tests pass trivially.)"""
+    torch.manual_seed(seed)
+    model = Transformer(TransformerConfig.from_preset("tiny", vocab_size=vocab, **overrides)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return model
+
+
 @pytest.fixture
 def tiny_model():
-    torch.manual_seed(0)
-    return Transformer(TransformerConfig.from_preset("tiny", vocab_size=512)).eval()
+    return random_model(0)
 
 
 def run_cli(*args: str, input: str | None = None, timeout: int = 300, env: dict | None = None):

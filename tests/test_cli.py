@@ -162,3 +162,30 @@ def test_resume_refuses_a_different_model(tiny_run, tmp_path):
     proc = run_cli("train", "ar", "--corpus", "kjv2web", "--preset", "small", "--out", run, "--max-steps", "20",
                    "--tokenizer", ckpt / "tokenizer.json")
     assert_clean_error(proc, "different model")
+
+
+def test_speculative_generation_matches_plain_greedy(tiny_run):
+    args = ("generate", "--checkpoint", tiny_run, "--prompt", "And the LORD said", "--max-new-tokens", "16")
+    plain = run_cli(*args)
+    for extra in (("--prompt-lookup",), ("--draft", str(tiny_run), "--k", "4")):
+        spec = run_cli(*args, *extra)
+        assert spec.returncode == 0, spec.stderr
+        assert spec.stdout == plain.stdout and "drafts accepted" in spec.stderr
+
+
+def test_bench_speculative(tiny_run, tmp_path):
+    out = tmp_path / "spec.json"
+    proc = run_cli("bench", "speculative", "--checkpoint", tiny_run, "--draft", tiny_run, "--prompts", "3",
+                   "--new-tokens", "12", "--k", "4", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    records = {r["method"]: r for r in json.loads(out.read_text())}
+    assert set(records) == {"ar", "ar+prompt-lookup", "ar+draft"}
+    assert all(r["extra"]["exact_match_vs_ar"] == 1.0 for r in records.values())  # lossless
+    assert records["ar+draft"]["extra"]["draft_acceptance"] == 1.0  # the model drafting for itself
+
+
+def test_bad_speculative_flags(tiny_run, tokenizer_path):
+    args = ("generate", "--checkpoint", tiny_run, "--prompt", "x")
+    assert_clean_error(run_cli(*args, "--prompt-lookup", "--k", "0"), "--k must be positive")
+    assert_clean_error(run_cli(*args, "--prompt-lookup", "--draft", tiny_run), "choose one drafter")
+    assert_clean_error(run_cli(*args, "--draft", "checkpoints/ar-shakespeare"), "different tokenizers")

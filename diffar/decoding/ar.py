@@ -63,8 +63,9 @@ class Batch:
         return (torch.arange(start, start + length).unsqueeze(0) - self.pad.unsqueeze(1)).clamp(min=0)
 
     def attn_mask(self, start: int, length: int) -> torch.Tensor | None:
-        """(B, 1, length, start+length) bool: causal, blind to padding. None when nothing is padded."""
-        if not self.padded:
+        """(B, 1, length, start+length) bool: causal, blind to padding. None when plain causal attention
+        does the same: nothing padded, and either one new token or no cached ones before these."""
+        if not self.padded and (length == 1 or start == 0):
             return None
         q = torch.arange(start, start + length).view(1, -1, 1)
         k = torch.arange(start + length).view(1, 1, -1)

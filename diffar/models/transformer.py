@@ -20,6 +20,7 @@ from diffar.models.kv_cache import KVCache
 PRESETS: dict[str, dict] = {
     "tiny": dict(n_layer=2, n_head=4, d_model=64, max_seq_len=320),  # tests
     "small": dict(n_layer=6, n_head=8, d_model=256, max_seq_len=512),  # shipped models, ~6.9M params at 8k vocab
+    "draft": dict(n_layer=2, n_head=8, d_model=256, max_seq_len=512),  # speculative-decoding drafter, ~3.7M
 }
 
 
