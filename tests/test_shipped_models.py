@@ -10,11 +10,14 @@ from tests.conftest import ROOT
 KJV, SHAKESPEARE = ROOT / "checkpoints" / "ar-kjv2web", ROOT / "checkpoints" / "ar-shakespeare"
 
 
-@pytest.mark.parametrize("path, task", [(KJV, "seq2seq"), (SHAKESPEARE, "continuation")])
-def test_checkpoint_is_self_contained(path, task):
-    model, tokenizer, meta = load_checkpoint(path)
-    assert meta["task"] == task and meta["model"]["preset"] == "small"
-    assert 5e6 < model.num_params() < 10e6 and tokenizer.vocab_size == model.config.vocab_size
+@pytest.mark.parametrize("name, task, preset", [
+    ("ar-kjv2web", "seq2seq", "small"), ("ar-shakespeare", "continuation", "small"),
+    ("draft-kjv2web", "seq2seq", "draft"), ("draft-shakespeare", "continuation", "draft"),
+])
+def test_checkpoint_is_self_contained(name, task, preset):
+    model, tokenizer, meta = load_checkpoint(ROOT / "checkpoints" / name)
+    assert meta["task"] == task and meta["model"]["preset"] == preset
+    assert 3e6 < model.num_params() < 10e6 and tokenizer.vocab_size == model.config.vocab_size
 
 
 def test_kjv2web_beats_copying_the_source():
