@@ -59,7 +59,7 @@ class DraftModel:
 
     def start(self, max_len: int) -> None:
         self.model.setup_cache(1, max_len)
-        self.cached = 0
+        self.cached, self.passes = 0, 0
 
     def propose(self, seq: list[int], k: int, sampling: SamplingConfig, generator) -> tuple[list[int], list]:
         """k drafts following `seq`, with the distributions they were drawn from (None when greedy)."""
@@ -87,8 +87,10 @@ class DraftModel:
 class PromptLookup:
     """Drafts by copying what followed the latest earlier occurrence of the text's last n-gram."""
 
+    passes = 0  # drafting costs no forward pass
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        self.max_ngram, self.min_ngram, self.passes = max_ngram, min_ngram, 0
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def start(self, max_len: int) -> None:
         pass
@@ -157,7 +159,6 @@ def speculative_generate(
     max_len = len(prompt) + max_new_tokens
     target.setup_cache(1, max_len)
     proposer.start(max_len)
-    proposer.passes = 0
     seq, out = list(prompt), []
     token = int(sample_next(prefill(target, Batch.from_prompts([prompt], 0)), sampling, generator)[0])
     passes, drafted, accepted_total = 1, 0, 0
