@@ -72,6 +72,7 @@ def test_batched_equals_unbatched(server):
              for p in prompts]
     batches_before = metric(server, "diffar_batch_size_count")
     sum_before = metric(server, "diffar_batch_size_sum")
+    cancelled_before = metric(server, "diffar_cancelled_total")
 
     async def together():
         async with httpx.AsyncClient(timeout=60) as c:
@@ -82,6 +83,7 @@ def test_batched_equals_unbatched(server):
     batches = metric(server, "diffar_batch_size_count") - batches_before
     rows = metric(server, "diffar_batch_size_sum") - sum_before
     assert rows == len(prompts) and batches < len(prompts)  # they really were decoded together
+    assert metric(server, "diffar_cancelled_total") == cancelled_before  # finishing is not cancelling
 
 
 @pytest.mark.parametrize("body, status, param", [

@@ -220,8 +220,8 @@ class Engine:
                  on_token=lambda row, token: batch[row].push(token, tok), generator=generator,
                  fixed=[r.fixed for r in batch])
         seconds = time.perf_counter() - t0
+        cancelled = sum(r.cancelled.is_set() for r in batch)  # before finish(): consumers then mark theirs done
         for r in batch:
             r.finish(tok)
         if self.on_batch:
-            self.on_batch(BatchStats(len(batch), sum(len(r.tokens) for r in batch), seconds,
-                                     sum(r.cancelled.is_set() for r in batch)))
+            self.on_batch(BatchStats(len(batch), sum(len(r.tokens) for r in batch), seconds, cancelled))

@@ -87,6 +87,8 @@ class Trainer:
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
         cuda = torch.cuda.is_available()
         self.device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if cuda else "cpu")
+        if cuda:
+            torch.cuda.set_device(self.device)
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if cuda else "gloo")
         self.model = model.to(self.device)
