@@ -131,3 +131,11 @@ def load_checkpoint(path: str | Path, tokenizer_path: str | Path | None = None,
     if tokenizer.sha256 != meta.get("tokenizer_sha256"):
         raise DiffarError(f"tokenizer {tokenizer_path} does not match the checkpoint {path} (trained with another)")
     return model.to(dtype).eval(), tokenizer, meta
+
+
+def load_draft(path: str | Path, tokenizer: Tokenizer) -> torch.nn.Module:
+    """A drafter for speculative decoding: a checkpoint that must share the target's tokenizer."""
+    draft, draft_tokenizer, _ = load_checkpoint(path)
+    if draft_tokenizer.sha256 != tokenizer.sha256:
+        raise DiffarError(f"draft {path} and the checkpoint use different tokenizers; they must share one")
+    return draft

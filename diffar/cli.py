@@ -132,7 +132,7 @@ def cmd_generate(args) -> None:
 
 def _proposer(args, tokenizer):
     """The drafter `generate` verifies against, if any: a draft model or prompt lookup."""
-    from diffar.checkpoint import load_checkpoint
+    from diffar.checkpoint import load_draft
     from diffar.decoding.speculative import DraftModel, PromptLookup
 
     if args.k <= 0:
@@ -143,10 +143,7 @@ def _proposer(args, tokenizer):
         return PromptLookup()
     if not args.draft:
         return None
-    draft, draft_tokenizer, _ = load_checkpoint(args.draft)
-    if draft_tokenizer.sha256 != tokenizer.sha256:
-        raise DiffarError(f"draft {args.draft} and the checkpoint use different tokenizers; they must share one")
-    return DraftModel(draft)
+    return DraftModel(load_draft(args.draft, tokenizer))
 
 
 # ---- eval / bench ---------------------------------------------------------------------------------

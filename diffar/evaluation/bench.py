@@ -9,12 +9,11 @@ from pathlib import Path
 
 import torch
 
-from diffar.checkpoint import load_checkpoint
+from diffar.checkpoint import load_checkpoint, load_draft
 from diffar.data.batching import prompt_ids
 from diffar.data.corpora import load_corpus
 from diffar.decoding.ar import generate
 from diffar.decoding.speculative import DraftModel, PromptLookup, speculative_generate
-from diffar.errors import DiffarError
 from diffar.evaluation.hardware import cpu_name
 
 
@@ -65,9 +64,7 @@ def bench_speculative(checkpoint: str, draft: str, corpus_name: str | None, n_pr
     after another over the first n test prompts. seq2seq runs stop at eos (at most 2x the source + 16
     tokens); continuation runs make exactly `new_tokens` (eos ignored)."""
     model, tokenizer, meta = load_checkpoint(checkpoint)
-    draft_model, draft_tokenizer, _ = load_checkpoint(draft)
-    if draft_tokenizer.sha256 != tokenizer.sha256:
-        raise DiffarError(f"draft {draft} and {checkpoint} use different tokenizers")
+    draft_model = load_draft(draft, tokenizer)
     corpus = load_corpus(corpus_name or meta["corpus"], "test")
     if corpus.task == "seq2seq":
         texts, eos = [p.source for p in corpus.pairs[:n_prompts]], tokenizer.eos_id
