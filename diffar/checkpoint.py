@@ -20,11 +20,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
 from diffar.errors import DiffarError
+from diffar.models.refusion import RefusionConfig, RefusionModel
 from diffar.models.transformer import Transformer, TransformerConfig
 from diffar.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
-MODEL_KINDS = {"ar": (TransformerConfig, Transformer)}
+MODEL_KINDS = {"ar": (TransformerConfig, Transformer), "refusion": (RefusionConfig, RefusionModel)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CHECKPOINT_NAME = re.compile(r"ckpt-\d{7}")
 
@@ -133,9 +134,14 @@ def load_checkpoint(path: str | Path, tokenizer_path: str | Path | None = None,
     return model.to(dtype).eval(), tokenizer, meta
 
 
-def load_draft(path: str | Path, tokenizer: Tokenizer) -> torch.nn.Module:
+def ar_stream(model: torch.nn.Module) -> Transformer:
+    """The AR model that decides the text: an AR checkpoint's model, or a ReFusion checkpoint's AR stream."""
+    return model.ar if isinstance(model, RefusionModel) else model
+
+
+def load_draft(path: str | Path, tokenizer: Tokenizer) -> Transformer:
     """A drafter for speculative decoding: a checkpoint that must share the target's tokenizer."""
     draft, draft_tokenizer, _ = load_checkpoint(path)
     if draft_tokenizer.sha256 != tokenizer.sha256:
         raise DiffarError(f"draft {path} and the checkpoint use different tokenizers; they must share one")
-    return draft
+    return ar_stream(draft)

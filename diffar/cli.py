@@ -32,23 +32,14 @@ def _train_config(args):
     return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
 
 
-def cmd_train(args) -> None:
-    import torch
-
+def _datasets(args, tokenizer, max_seq_len: int):
+    """(train, valid, task, corpus name, block size) for a `train` command."""
     from diffar.data.batching import build_dataset
     from diffar.data.corpora import load_corpus
-    from diffar.models.transformer import Transformer, TransformerConfig
-    from diffar.tokenizer import Tokenizer
-    from diffar.training.trainer import Trainer
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = _train_config(args)
-    tokenizer = Tokenizer.load(args.tokenizer)
-    model_cfg = TransformerConfig.from_preset(args.preset, vocab_size=tokenizer.vocab_size)
-    block = args.block_size or model_cfg.max_seq_len
-    if block > model_cfg.max_seq_len:
-        raise DiffarError(f"--block-size {block} exceeds the {args.preset} context of {model_cfg.max_seq_len}")
+    block = args.block_size or max_seq_len
+    if block > max_seq_len:
+        raise DiffarError(f"--block-size {block} exceeds the model's context of {max_seq_len}")
     train_corpus = load_corpus(args.corpus, "train")
     valid_corpus = load_corpus(args.valid_corpus, "valid", whole=True) if args.valid_corpus \
         else load_corpus(args.corpus, "valid")
@@ -59,13 +50,77 @@ def cmd_train(args) -> None:
     for name, data in (("train", train_data), ("valid", valid_data)):
         if getattr(data, "dropped", 0):
             print(f"note: {data.dropped} {name} pairs longer than the {block}-token block are left out")
-    torch.manual_seed(cfg.seed)
-    model = Transformer(model_cfg)
-    meta = {"kind": "ar", "model": model_cfg.to_dict(), "task": train_corpus.task, "corpus": train_corpus.name,
-            "block_size": block}
+    return train_data, valid_data, train_corpus.task, train_corpus.name, block
+
+
+def _fit(args, model, model_cfg, kind: str, tokenizer) -> None:
+    from diffar.training.trainer import Trainer
+
+    cfg = _train_config(args)
+    train_data, valid_data, task, corpus, block = _datasets(args, tokenizer, model_cfg.ar.max_seq_len
+                                                            if kind == "refusion" else model_cfg.max_seq_len)
+    meta = {"kind": kind, "model": model_cfg.to_dict(), "task": task, "corpus": corpus, "block_size": block}
     metrics = Trainer(model, train_data, valid_data, cfg, args.out, meta, tokenizer).fit()
     if metrics:
         print(f"done: step {metrics['step']}, val loss {metrics['val_loss']:.4f}, val ppl {metrics['val_ppl']:.2f}")
+
+
+def cmd_train(args) -> None:
+    import torch
+
+    from diffar.models.transformer import Transformer, TransformerConfig
+    from diffar.tokenizer import Tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer = Tokenizer.load(args.tokenizer)
+    model_cfg = TransformerConfig.from_preset(args.preset, vocab_size=tokenizer.vocab_size)
+    torch.manual_seed(args.seed)
+    _fit(args, Transformer(model_cfg), model_cfg, "ar", tokenizer)
+
+
+def cmd_train_refusion(args) -> None:
+    import torch
+
+    from diffar.checkpoint import load_checkpoint
+    from diffar.models.refusion import RefusionConfig, RefusionModel
+    from diffar.tokenizer import Tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ar = init = None
+    if args.ar:
+        ar, tokenizer, ar_meta = load_checkpoint(args.ar)
+        if ar_meta["kind"] != "ar":
+            raise DiffarError(f"--ar {args.ar} is a {ar_meta['kind']} checkpoint, not an AR one")
+    else:
+        tokenizer = Tokenizer.load(args.tokenizer)
+    if args.init:
+        init, init_tokenizer, init_meta = load_checkpoint(args.init)
+        if init_meta["kind"] != "refusion":
+            raise DiffarError(f"--init {args.init} is a {init_meta['kind']} checkpoint, not a ReFusion one")
+        if init_tokenizer.sha256 != tokenizer.sha256 or init.config.ar.to_dict() != (
+                ar.config.to_dict() if ar else init.config.ar.to_dict()):
+            raise DiffarError(f"--init {args.init} and --ar {args.ar} do not belong together "
+                              f"(different tokenizer or AR stream shape)")
+    overrides = {k: getattr(args, k) for k in ("stage", "block", "anchors", "schedule", "ar_weight", "mse_weight",
+                                               "kl_weight", "grad_checkpoint") if getattr(args, k) is not None}
+    overrides["freeze_ar"] = not args.train_ar
+    if args.ar_fusion_layers is not None:
+        overrides["ar_fusion_layers"] = tuple(args.ar_fusion_layers)
+    base = init.config.to_dict() if init else {}
+    model_cfg = RefusionConfig.from_dict({**base, **overrides}) if init else \
+        RefusionConfig.from_preset(args.preset, tokenizer.vocab_size, **overrides)
+    if model_cfg.stage == "joint" and model_cfg.freeze_ar and ar is None and init is None:
+        raise DiffarError("a frozen AR stream must come from a trained model: pass --ar CHECKPOINT (or --train-ar)")
+    torch.manual_seed(args.seed)
+    model = RefusionModel(model_cfg)
+    if init is not None:
+        model.diffuser.load_state_dict(init.diffuser.state_dict())
+        model.ar.load_state_dict(init.ar.state_dict())
+    if ar is not None:
+        model.init_from_ar(ar)
+    _fit(args, model, model_cfg, "refusion", tokenizer)
 
 
 def cmd_export(args) -> None:
@@ -83,9 +138,10 @@ def cmd_export(args) -> None:
 def cmd_generate(args) -> None:
     import torch
 
-    from diffar.checkpoint import load_checkpoint
+    from diffar.checkpoint import ar_stream, load_checkpoint
     from diffar.data.batching import prompt_ids
     from diffar.decoding.ar import generate
+    from diffar.decoding.refusion import DraftSchedule, refusion_generate
     from diffar.decoding.sampling import SamplingConfig
     from diffar.decoding.speculative import speculative_generate
 
@@ -95,8 +151,16 @@ def cmd_generate(args) -> None:
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens <= 0:
         raise DiffarError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if args.k is not None and args.k <= 0:
+        raise DiffarError(f"--k must be positive, got {args.k}")
+    schedule = DraftSchedule(steps=args.steps, dynamic=args.dynamic)
     model, tokenizer, meta = load_checkpoint(args.checkpoint, args.tokenizer)
-    proposer = _proposer(args, tokenizer)
+    method = args.method or ("refusion" if meta["kind"] == "refusion" else "ar")
+    if method == "refusion" and meta["kind"] != "refusion":
+        raise DiffarError(f"--method refusion needs a ReFusion checkpoint (diffar train refusion); "
+                          f"{args.checkpoint} is {meta['kind']}")
+    ar = ar_stream(model)
+    proposer = _proposer(args, tokenizer) if method == "ar" else None
     ids = prompt_ids(tokenizer, meta["task"], text)
     generator = torch.Generator().manual_seed(args.seed)
     new: list[int] = []
@@ -113,30 +177,37 @@ def cmd_generate(args) -> None:
 
     if meta["task"] == "continuation" and not args.no_echo:
         sys.stdout.write(text)
-    if proposer is None:
-        result = generate(model, [ids], args.max_new_tokens, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
-                          sampling=sampling, on_token=stream, generator=generator, use_cache=not args.no_cache)
-        n, passes, extra = result.new_tokens, result.forward_passes, "KV cache" if not args.no_cache else "no cache"
+    decode = dict(eos_id=tokenizer.eos_id, sampling=sampling, generator=generator, on_token=stream)
+    if method == "refusion":
+        result = refusion_generate(model, [ids], args.max_new_tokens, k=args.k, schedule=schedule,
+                                   prompt_words=[len(text.split())], **decode)
+        label = "refusion" + ("-dynamic" if args.dynamic else "")
+    elif proposer is not None:
+        result = speculative_generate(ar, proposer, [ids], args.max_new_tokens, k=args.k or 8, **decode)
+        label = "ar+draft" if args.draft else "ar+prompt-lookup"
     else:
-        result = speculative_generate(model, proposer, ids, args.max_new_tokens, k=args.k, eos_id=tokenizer.eos_id,
-                                      sampling=sampling, generator=generator, on_token=stream)
-        n, passes = len(result.tokens), result.target_passes
-        extra = f"{result.accepted}/{result.drafted} drafts accepted, {result.draft_passes} draft passes"
+        result = generate(ar, [ids], args.max_new_tokens, pad_id=tokenizer.pad_id, use_cache=not args.no_cache,
+                          **decode)
+        label = "ar"
     sys.stdout.write(tokenizer.decode(new)[len(printed):] + "\n")
     sys.stdout.flush()
-    method = "ar" if proposer is None else "ar+draft" if args.draft else "ar+prompt-lookup"
-    print(f"[{method}] {n} tokens in {result.seconds:.2f} s = {n / result.seconds:.1f} tokens/s | "
-          f"{passes} forward passes ({n / passes:.2f} tokens/pass) | prompt {len(ids)} tokens | batch 1 | {extra}",
+    n = result.new_tokens
+    if label == "ar":
+        passes, extra = result.forward_passes, "KV cache" if not args.no_cache else "no cache"
+    else:
+        passes = result.target_passes
+        drafter = "diffusion" if method == "refusion" else "draft"
+        extra = f"{result.accepted}/{result.drafted} drafts accepted, {result.draft_passes} {drafter} passes"
+    print(f"[{label}] {n} tokens in {result.seconds:.2f} s = {n / result.seconds:.1f} tokens/s | "
+          f"{passes} AR passes ({n / passes:.2f} tokens/AR pass) | prompt {len(ids)} tokens | batch 1 | {extra}",
           file=sys.stderr)
 
 
 def _proposer(args, tokenizer):
-    """The drafter `generate` verifies against, if any: a draft model or prompt lookup."""
+    """The drafter plain AR `generate` verifies against, if any: a draft model or prompt lookup."""
     from diffar.checkpoint import load_draft
     from diffar.decoding.speculative import DraftModel, PromptLookup
 
-    if args.k <= 0:
-        raise DiffarError(f"--k must be positive, got {args.k}")
     if args.draft and args.prompt_lookup:
         raise DiffarError("choose one drafter: --draft or --prompt-lookup")
     if args.prompt_lookup:
@@ -169,12 +240,13 @@ def cmd_bench_ar(args) -> None:
 def cmd_serve(args) -> None:
     import uvicorn
 
-    from diffar.checkpoint import load_checkpoint
+    from diffar.checkpoint import ar_stream, load_checkpoint
     from diffar.serving.app import create_app
 
     if args.method != "ar":
         raise DiffarError(f"method {args.method!r} is not implemented yet; serve with --method ar")
     model, tokenizer, meta = load_checkpoint(args.checkpoint)
+    model = ar_stream(model)
     app = create_app(model, tokenizer, meta, args.model_id or Path(args.checkpoint).resolve().name,
                      max_batch_size=args.max_batch_size, window_ms=args.batch_window_ms, max_queue=args.max_queue)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, backlog=4096)
@@ -211,12 +283,13 @@ def cmd_loadtest(args) -> None:
         Path(args.out).write_text(json.dumps(results_json(results), indent=2) + "\n")
 
 
-def cmd_bench_speculative(args) -> None:
-    from diffar.evaluation.bench import bench_speculative, print_table, write_records
+def cmd_bench_lossless(args) -> None:
+    from diffar.evaluation.bench import bench_lossless, print_table, write_records
 
     if args.k <= 0:
         raise DiffarError(f"--k must be positive, got {args.k}")
-    records = bench_speculative(args.checkpoint, args.draft, args.corpus, args.prompts, args.new_tokens, args.k)
+    records = bench_lossless(args.checkpoint, args.draft, args.corpus, args.prompts, args.new_tokens, args.k,
+                             args.batch_sizes, args.methods)
     print_table(records)
     write_records(records, args.out)
 
@@ -249,6 +322,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from diffar.data.corpora import EMBEDDED
+    from diffar.models.refusion import PRESETS as REFUSION_PRESETS
     from diffar.models.transformer import PRESETS
 
     parser = _Parser(prog="diffar", description="Fast text generation: diffusion fused with AR.")
@@ -276,6 +350,29 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--threads", type=_positive_int, help="torch CPU threads")
     _add_train_flags(ar)
     ar.set_defaults(func=cmd_train)
+    rf = tr_sub.add_parser("refusion", help="ReFusion: a diffusion stream drafting for a (frozen) AR stream")
+    rf.add_argument("--corpus", required=True, help=corpora)
+    rf.add_argument("--valid-corpus", help="validation data (default: the corpus's valid split)")
+    rf.add_argument("--ar", help="AR checkpoint to start the AR stream from (its tokenizer is used)")
+    rf.add_argument("--init", help="ReFusion checkpoint (e.g. stage 1) to start both streams from")
+    rf.add_argument("--preset", default="small", choices=sorted(REFUSION_PRESETS))
+    rf.add_argument("--stage", choices=["diffusion", "joint"],
+                    help="diffusion: the diffusion stream alone; joint: with fusion and the AR stream (default)")
+    rf.add_argument("--train-ar", action="store_true", help="also train the AR stream (default: frozen)")
+    rf.add_argument("--block", type=_positive_int, help="tokens drafted per block")
+    rf.add_argument("--anchors", type=_positive_int, help="training blocks per sequence")
+    rf.add_argument("--schedule", choices=["linear", "cosine", "learned"], help="noise schedule")
+    rf.add_argument("--ar-fusion-layers", type=int, nargs="*", help="AR layers that read the diffusion stream")
+    rf.add_argument("--ar-weight", type=float, help="weight of CE_AR (default 1)")
+    rf.add_argument("--mse-weight", type=float, help="weight of the diffusion MSE (default 0.5)")
+    rf.add_argument("--kl-weight", type=float, help="weight of KL(AR || diffusion) (default 0.1)")
+    rf.add_argument("--grad-checkpoint", action="store_true", default=None, help="recompute activations in backward")
+    rf.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="without --ar")
+    rf.add_argument("--block-size", type=_positive_int, help="training sequence length, e.g. 256 to chunk long text")
+    rf.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl)")
+    rf.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    _add_train_flags(rf)
+    rf.set_defaults(func=cmd_train_refusion)
 
     ex = sub.add_parser("export", help="write a run's latest checkpoint as a compact folder (no optimizer state)")
     ex.add_argument("--checkpoint", required=True, help="run or checkpoint folder")
@@ -296,7 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-echo", action="store_true", help="do not repeat a continuation prompt")
     g.add_argument("--draft", help="speculative decoding: a small AR checkpoint (same tokenizer) drafts tokens")
     g.add_argument("--prompt-lookup", action="store_true", help="speculative decoding: draft by copying n-grams")
-    g.add_argument("--k", type=int, default=8, help="draft length for --draft / --prompt-lookup")
+    g.add_argument("--k", type=int, help="drafts verified per AR pass (default 8; refusion: the model's block)")
+    g.add_argument("--method", choices=["ar", "refusion"], help="default: refusion for ReFusion checkpoints")
+    g.add_argument("--steps", type=int, default=1, help="refusion: denoising steps per draft")
+    g.add_argument("--dynamic", action="store_true", help="refusion: the seed's dynamic schedule")
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval", help="BLEU-4/chrF/ROUGE-L and perplexity on a corpus split")
@@ -318,15 +418,23 @@ def build_parser() -> argparse.ArgumentParser:
     bar.add_argument("--repeats", type=_positive_int, default=1)
     bar.add_argument("--out", required=True, help="JSON file to write")
     bar.set_defaults(func=cmd_bench_ar)
-    bsp = b_sub.add_parser("speculative", help="AR vs lossless prompt-lookup and draft-model decoding (batch 1)")
+    bsp = b_sub.add_parser("speculative", help="AR vs lossless prompt-lookup and draft-model decoding")
     bsp.add_argument("--checkpoint", default="checkpoints/ar-kjv2web")
     bsp.add_argument("--draft", default="checkpoints/draft-kjv2web", help="the small AR drafter")
-    bsp.add_argument("--corpus", help="prompts from this corpus's test split (default: the checkpoint's corpus)")
-    bsp.add_argument("--prompts", type=_positive_int, default=32)
-    bsp.add_argument("--new-tokens", type=_positive_int, default=256)
-    bsp.add_argument("--k", type=int, default=8, help="draft length")
-    bsp.add_argument("--out", required=True, help="JSON file to write")
-    bsp.set_defaults(func=cmd_bench_speculative)
+    bsp.add_argument("--methods", nargs="+", default=["ar", "ar+prompt-lookup", "ar+draft"])
+    brf = b_sub.add_parser("refusion", help="ReFusion lossless decoding against AR and its speculative peers")
+    brf.add_argument("--checkpoint", default="checkpoints/refusion-kjv2web", help="a ReFusion checkpoint")
+    brf.add_argument("--draft", default="checkpoints/draft-kjv2web", help="the small AR drafter peer")
+    brf.add_argument("--methods", nargs="+",
+                     default=["ar", "ar+prompt-lookup", "ar+draft", "refusion", "refusion-dynamic"])
+    for p in (bsp, brf):
+        p.add_argument("--corpus", help="prompts from this corpus's test split (default: the checkpoint's corpus)")
+        p.add_argument("--prompts", type=_positive_int, default=32)
+        p.add_argument("--new-tokens", type=_positive_int, default=256, help="continuation: tokens per prompt")
+        p.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1])
+        p.add_argument("--k", type=int, default=8, help="draft length (block size)")
+        p.add_argument("--out", required=True, help="JSON file to write")
+        p.set_defaults(func=cmd_bench_lossless)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with dynamic batching and streaming")
     sv.add_argument("--checkpoint", required=True)

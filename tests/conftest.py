@@ -59,8 +59,26 @@ def run_cli(*args: str, input: str | None = None, timeout: int = 300, env: dict 
     )
 
 
+def assert_clean_error(proc, message: str):
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    assert message in lines[0], lines[0]
+
+
 TINY_TRAIN = ("--preset", "tiny", "--batch-size", "8", "--eval-every", "5", "--eval-examples", "16",
               "--save-every", "5", "--warmup-steps", "2", "--threads", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_refusion(tiny_run, tmp_path_factory):
+    """A `tiny` ReFusion model whose AR stream is `tiny_run`, trained for 30 steps through the CLI."""
+    out = tmp_path_factory.mktemp("runs") / "tiny-refusion"
+    proc = run_cli("train", "refusion", "--corpus", "kjv2web", "--ar", tiny_run, "--out", out, "--max-steps", "30",
+                   "--block-size", "128", "--lr", "3e-3", *TINY_TRAIN)
+    assert proc.returncode == 0, proc.stderr
+    return out
 
 
 @pytest.fixture(scope="session")

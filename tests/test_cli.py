@@ -5,15 +5,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import TINY_TRAIN, run_cli
-
-
-def assert_clean_error(proc, message: str):
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    assert "Traceback" not in proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
-    assert message in lines[0], lines[0]
+from tests.conftest import TINY_TRAIN, assert_clean_error, run_cli
 
 
 def test_help_everywhere():
@@ -31,7 +23,7 @@ def test_tokenizer_train(tmp_path):
 def test_generate_streams_and_reports_speed(tiny_run):
     proc = run_cli("generate", "--checkpoint", tiny_run, "--prompt", "In the beginning", "--max-new-tokens", "12")
     assert proc.returncode == 0, proc.stderr
-    assert "tokens/s" in proc.stderr and "forward passes" in proc.stderr
+    assert "tokens/s" in proc.stderr and "AR passes" in proc.stderr
     stdin = run_cli("generate", "--checkpoint", tiny_run, "--max-new-tokens", "12", input="In the beginning")
     assert stdin.stdout == proc.stdout  # greedy: same text from stdin
     nocache = run_cli("generate", "--checkpoint", tiny_run, "--prompt", "In the beginning", "--max-new-tokens", "12",

@@ -8,7 +8,8 @@ import torch
 
 from diffar.decoding.ar import Batch, generate, prefill
 from diffar.decoding.sampling import SamplingConfig, probabilities
-from diffar.decoding.speculative import DraftModel, PromptLookup, accept, speculative_generate
+from diffar.decoding.speculative import DecodeState, DraftModel, PromptLookup, accept, speculative_generate
+from diffar.errors import DiffarError
 from tests.conftest import random_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [40, 41, 40, 41, 40]]
@@ -36,13 +37,56 @@ def test_greedy_equals_plain_ar(target, drafter, k, proposer):
     for prompt in PROMPTS:
         plain = generate(target, [prompt], 24, pad_id=0, eos_id=None).tokens[0]
         source = DraftModel(drafter) if proposer == "draft" else PromptLookup()
-        spec = speculative_generate(target, source, prompt, 24, k=k, eos_id=None)
-        assert spec.tokens == plain
+        spec = speculative_generate(target, source, [prompt], 24, k=k, eos_id=None)
+        assert spec.tokens[0] == plain
         assert spec.target_passes <= 24
 
 
+class NoisyOracle:
+    """Drafts each row's true greedy continuation with random tokens mixed in: rows accept different numbers
+    of drafts, as with a real drafter."""
+
+    needs_hidden, passes = False, 0
+
+    def __init__(self, prompts, references, error_rate=0.3):
+        self.prompt_len, self.references = [len(p) for p in prompts], references
+        self.error_rate, self.g = error_rate, torch.Generator().manual_seed(0)
+
+    def start(self, batch_size, max_len):
+        pass
+
+    def propose(self, state, k, sampling, generator):
+        out = []
+        for row, seq in enumerate(state.seqs):
+            done = len(seq) - self.prompt_len[row]
+            drafts = list(self.references[row][done:done + k])
+            for i in range(len(drafts)):
+                if float(torch.rand((), generator=self.g)) < self.error_rate:
+                    drafts[i] = int(torch.randint(512, (), generator=self.g))
+            out.append((drafts, [None] * len(drafts)))
+        return out
+
+    def keep(self, state):
+        pass
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_batched_verification_equals_plain_ar_row_by_row(target, adaptive, monkeypatch):
+    """Rows accept different numbers of drafts; each still gets exactly its own greedy continuation,
+    including across cache compactions (a long run in a cache with little room to spare)."""
+    compactions = []
+    compact = DecodeState.compact
+    monkeypatch.setattr(DecodeState, "compact", lambda self, t: (compactions.append(1), compact(self, t)))
+    prompts = PROMPTS + [PROMPTS[0][::-1], [3] * 12]
+    plain = [generate(target, [p], 60, pad_id=0, eos_id=None).tokens[0] for p in prompts]
+    for proposer in (NoisyOracle(prompts, plain), PromptLookup()):
+        spec = speculative_generate(target, proposer, prompts, 60, k=5, eos_id=None, adaptive=adaptive)
+        assert spec.tokens == plain
+    assert compactions
+
+
 def test_a_perfect_drafter_needs_few_target_passes(target):
-    spec = speculative_generate(target, DraftModel(target), PROMPTS[0], 24, k=8, eos_id=None)
+    spec = speculative_generate(target, DraftModel(target), [PROMPTS[0]], 24, k=8, eos_id=None)
     assert spec.accepted == spec.drafted  # the target drafting for itself is always right
     assert spec.target_passes <= 1 + -(-24 // 9)
 
@@ -51,17 +95,17 @@ def test_eos_inside_a_block_ends_generation(target):
     plain = generate(target, [PROMPTS[2]], 24, pad_id=0, eos_id=None).tokens[0]
     eos = plain[5]
     expected = plain[: plain.index(eos)]
-    spec = speculative_generate(target, DraftModel(target), PROMPTS[2], 24, k=8, eos_id=eos)
-    assert spec.tokens == expected == generate(target, [PROMPTS[2]], 24, pad_id=0, eos_id=eos).tokens[0]
+    spec = speculative_generate(target, DraftModel(target), [PROMPTS[2]], 24, k=8, eos_id=eos)
+    assert spec.tokens[0] == expected == generate(target, [PROMPTS[2]], 24, pad_id=0, eos_id=eos).tokens[0]
 
 
 def test_cache_after_rollbacks_equals_a_fresh_prefill(target, drafter):
     prompt = PROMPTS[0]
-    spec = speculative_generate(target, DraftModel(drafter), prompt, 20, k=4, eos_id=None)
+    spec = speculative_generate(target, DraftModel(drafter), [prompt], 20, k=4, eos_id=None)
     assert spec.accepted < spec.drafted  # some drafts were rejected and rolled back
-    n = len(prompt) + len(spec.tokens) - 1  # the last token is never fed
+    n = len(prompt) + len(spec.tokens[0]) - 1  # the last token is never fed
     cached = [(b.attn.kv_cache.k[:, :, :n].clone(), b.attn.kv_cache.v[:, :, :n].clone()) for b in target.blocks]
-    full = prompt + spec.tokens[:-1]
+    full = prompt + spec.tokens[0][:-1]
     target.setup_cache(1, len(full))
     with torch.inference_mode():
         prefill(target, Batch.from_prompts([full], 0))
@@ -103,12 +147,12 @@ def test_sampled_generation_matches_ar_distribution():
     counts = torch.zeros(6, 6)
     n = 3000
     for _ in range(n):
-        a, b = speculative_generate(target, DraftModel(drafter), prompt, 2, k=2, eos_id=None, sampling=cfg,
-                                    generator=g).tokens
+        a, b = speculative_generate(target, DraftModel(drafter), [prompt], 2, k=2, eos_id=None, sampling=cfg,
+                                    generator=g).tokens[0]
         counts[a, b] += 1
     assert (counts / n - joint).abs().sum() / 2 < 0.06  # 36 cells, 3000 draws: TV noise ~0.03
 
 
 def test_bad_draft_length(target):
-    with pytest.raises(ValueError, match="k must be positive"):
-        speculative_generate(target, PromptLookup(), PROMPTS[0], 4, k=0, eos_id=None)
+    with pytest.raises(DiffarError, match="k must be positive"):
+        speculative_generate(target, PromptLookup(), [PROMPTS[0]], 4, k=0, eos_id=None)

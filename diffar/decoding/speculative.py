@@ -1,32 +1,38 @@
-"""Lossless draft-and-verify decoding (speculative decoding): a cheap proposer drafts k tokens, the target
-model scores them all in one cached forward pass, and the longest acceptable prefix plus one token of the
-target's own is kept (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318).
+"""Lossless draft-and-verify decoding (speculative decoding): a cheap proposer drafts up to k tokens per row,
+the target model scores them all in one cached forward pass, and the longest acceptable prefix plus one token
+of the target's own is kept (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318).
 
 Greedy: the output equals plain greedy AR, token for token. Sampling: the accept / resample-the-residual
-rule makes the output distribution exactly the target's. Rejected drafts are rolled back for free: their
-cache slots are simply written over by the next verification.
+rule makes the output distribution exactly the target's.
 
-Proposers: a small AR draft model with its own KV cache, or prompt lookup — n-gram copies from the text so
-far, the trivial peer for input-grounded tasks (Saxena 2023, "Prompt Lookup Decoding").
-Batch size 1: each row accepts a different number of drafts per step.
+Batched, with per-row progress: every row's block is written at the same cache slots, and each row marks
+the slots it accepted as valid. Rejected drafts stay behind as invalid slots that attention skips, which
+rolls them back without recomputing anything; when the cache fills up, `DecodeState.compact` squeezes the
+invalid slots out. Proposers: prompt lookup (n-gram copies from the text so far, the trivial peer for
+input-grounded tasks), a small AR draft model (batch 1), and ReFusion's diffusion stream
+(diffar/decoding/refusion.py).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from diffar.decoding.ar import Batch, check_lengths, prefill
+from diffar.decoding.ar import Batch, check_lengths
 from diffar.decoding.sampling import SamplingConfig, probabilities, sample_next
+from diffar.errors import DiffarError
 from diffar.models.transformer import Transformer
+
+Drafts = list[tuple[list[int], list]]  # per row: draft tokens, and the distribution each was drawn from
 
 
 @dataclass
 class SpeculativeResult:
-    tokens: list[int]  # new tokens, eos excluded
+    tokens: list[list[int]]  # new tokens per row, eos excluded
     prompt_tokens: int
     target_passes: int  # prefill + one verification per step
     draft_passes: int
@@ -35,36 +41,88 @@ class SpeculativeResult:
     seconds: float
 
     @property
+    def new_tokens(self) -> int:
+        return sum(map(len, self.tokens))
+
+    @property
     def tokens_per_target_pass(self) -> float:
-        return len(self.tokens) / self.target_passes
+        """New tokens per row per target pass (1.0 for plain AR)."""
+        return self.new_tokens / len(self.tokens) / self.target_passes
 
     @property
     def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.seconds if self.seconds > 0 else float("inf")
+        return self.new_tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
-def _feed(model: Transformer, tokens: list[int], start: int) -> torch.Tensor:
-    """Run `tokens` at cache slots [start, start+len) of a one-row, unpadded cache; logits (len, V)."""
-    one_row = Batch(torch.tensor([tokens]), torch.zeros(1, dtype=torch.long))
-    logits, _ = model(one_row.tokens, positions=one_row.positions(start, len(tokens)),
-                      attn_mask=one_row.attn_mask(start, len(tokens)), cache_start=start)
-    return logits[0]
+@dataclass
+class DecodeState:
+    """Where a batch stands. Row b's text is seqs[b]: its prompt and output so far, all in the cache but
+    the last token (fed with the next block). Cache slot s of row b holds one of its tokens iff valid[b, s]."""
+
+    seqs: list[list[int]]
+    prompt_lengths: list[int]
+    max_new_tokens: int
+    valid: torch.Tensor  # (B, slots) bool
+    hidden: torch.Tensor | None  # (B, slots, d) the target's final hidden states, for drafters that read them
+    write: int  # the next free slot
+
+    def progress(self, row: int) -> float:
+        return (len(self.seqs[row]) - self.prompt_lengths[row]) / self.max_new_tokens
+
+    def feed(self, target: Transformer, blocks: torch.Tensor) -> torch.Tensor:
+        """Run (B, n) tokens at slots [write, write+n), each row at its own positions, attending to its valid
+        slots and causally within the block; returns the final hidden states (B, n, d)."""
+        B, n = blocks.shape
+        positions = torch.tensor([len(s) - 1 for s in self.seqs]).unsqueeze(1) + torch.arange(n)
+        causal = torch.ones(n, n, dtype=torch.bool).tril().expand(B, n, n)
+        mask = torch.cat([self.valid[:, None, :self.write].expand(B, n, self.write), causal], dim=2)
+        h = target.hidden_states(blocks, positions=positions, attn_mask=mask.unsqueeze(1), cache_start=self.write)
+        if self.hidden is not None:
+            self.hidden[:, self.write:self.write + n] = h
+        return h
+
+    def compact(self, target: Transformer) -> None:
+        """Move each row's valid slots to the end of [0, w), w the longest row, and set write = w."""
+        order = torch.sort(self.valid.int(), dim=1, stable=True).indices  # invalid slots first, order kept
+        w = int(self.valid.sum(1).max())
+        keep = order[:, order.shape[1] - w:]
+        for block in target.blocks:
+            cache = block.attn.kv_cache
+            index = keep[:, None, :, None].expand(-1, cache.k.shape[1], -1, cache.k.shape[3])
+            cache.k[:, :, :w], cache.v[:, :, :w] = cache.k.gather(2, index), cache.v.gather(2, index)
+        if self.hidden is not None:
+            self.hidden[:, :w] = self.hidden.gather(1, keep.unsqueeze(-1).expand(-1, -1, self.hidden.shape[2]))
+        self.valid[:, :w] = self.valid.gather(1, keep)
+        self.valid[:, w:] = False
+        self.write = w
 
 
 class DraftModel:
-    """Drafts with a small AR model of the same tokenizer, keeping its own KV cache in step with the text."""
+    """Drafts with a small AR model of the same tokenizer, keeping its own KV cache in step with the text.
+    One prompt at a time: its cache has no per-row bookkeeping."""
+
+    needs_hidden = False
 
     def __init__(self, model: Transformer):
         self.model, self.cached, self.passes = model, 0, 0
 
-    def start(self, max_len: int) -> None:
+    def start(self, batch_size: int, max_len: int) -> None:
+        if batch_size != 1:
+            raise DiffarError("a draft model drafts for one prompt at a time (batch size 1)")
         self.model.setup_cache(1, max_len)
         self.cached, self.passes = 0, 0
 
-    def propose(self, seq: list[int], k: int, sampling: SamplingConfig, generator) -> tuple[list[int], list]:
-        """k drafts following `seq`, with the distributions they were drawn from (None when greedy)."""
-        logits = _feed(self.model, seq[self.cached:], self.cached)[-1]
-        self.cached, self.passes = len(seq), self.passes + 1
+    def _feed(self, tokens: list[int]) -> torch.Tensor:
+        one_row = Batch(torch.tensor([tokens]), torch.zeros(1, dtype=torch.long))
+        logits, _ = self.model(one_row.tokens, positions=one_row.positions(self.cached, len(tokens)),
+                               attn_mask=one_row.attn_mask(self.cached, len(tokens)), cache_start=self.cached)
+        self.cached, self.passes = self.cached + len(tokens), self.passes + 1
+        return logits[0, -1]
+
+    def propose(self, state: DecodeState, k: int, sampling: SamplingConfig, generator) -> Drafts:
+        """k drafts following the text, with the distributions they were drawn from (None when greedy)."""
+        seq = state.seqs[0]
+        logits = self._feed(seq[self.cached:])
         drafts, dists = [], []
         for i in range(k):
             if sampling.greedy:
@@ -75,27 +133,30 @@ class DraftModel:
             drafts.append(token)
             dists.append(dist)
             if i < k - 1:
-                logits = _feed(self.model, [token], self.cached)[-1]
-                self.cached, self.passes = self.cached + 1, self.passes + 1
-        return drafts, dists
+                logits = self._feed([token])
+        return [(drafts, dists)]
 
-    def keep(self, valid: int) -> None:
-        """Only the first `valid` tokens of the text are still right; later cache slots get rewritten."""
-        self.cached = min(self.cached, valid)
+    def keep(self, state: DecodeState) -> None:
+        """Only the text is still right; later cache slots get rewritten."""
+        self.cached = min(self.cached, len(state.seqs[0]) - 1)
 
 
 class PromptLookup:
     """Drafts by copying what followed the latest earlier occurrence of the text's last n-gram."""
 
     passes = 0  # drafting costs no forward pass
+    needs_hidden = False
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def start(self, max_len: int) -> None:
+    def start(self, batch_size: int, max_len: int) -> None:
         pass
 
-    def propose(self, seq: list[int], k: int, sampling: SamplingConfig, generator) -> tuple[list[int], list]:
+    def propose(self, state: DecodeState, k: int, sampling: SamplingConfig, generator) -> Drafts:
+        return [self.lookup(seq, k) for seq in state.seqs]
+
+    def lookup(self, seq: list[int], k: int) -> tuple[list[int], list]:
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             tail = seq[-n:]
             for start in range(len(seq) - n - 1, -1, -1):
@@ -104,7 +165,7 @@ class PromptLookup:
                     return drafts, [None] * len(drafts)  # a copy is certain: q is one-hot
         return [], []
 
-    def keep(self, valid: int) -> None:
+    def keep(self, state: DecodeState) -> None:
         pass
 
 
@@ -138,11 +199,27 @@ def accept(logits: torch.Tensor, drafts: list[int], dists: list, sampling: Sampl
     return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
 
 
+class AdaptiveBlock:
+    """The number of drafts to verify next: about 1.5x what rows have recently accepted, plus one, within
+    [1, k_max]. Verifying a long block that will mostly be rejected costs target compute for nothing."""
+
+    def __init__(self, k_max: int, adaptive: bool = True):
+        self.k_max, self.adaptive, self.recent = k_max, adaptive, float(k_max)
+
+    @property
+    def k(self) -> int:
+        return min(self.k_max, math.ceil(1.5 * self.recent) + 1) if self.adaptive else self.k_max
+
+    def update(self, accepted: list[int]) -> None:
+        if accepted:
+            self.recent = 0.5 * self.recent + 0.5 * sum(accepted) / len(accepted)
+
+
 @torch.inference_mode()
 def speculative_generate(
     target: Transformer,
-    proposer: DraftModel | PromptLookup,
-    prompt: list[int],
+    proposer,
+    prompts: list[list[int]],
     max_new_tokens: int,
     *,
     k: int,
@@ -150,38 +227,82 @@ def speculative_generate(
     sampling: SamplingConfig = SamplingConfig(),
     generator: torch.Generator | None = None,
     on_token: Callable[[int, int], object] | None = None,
+    adaptive: bool = False,
 ) -> SpeculativeResult:
-    """Draft-and-verify generation for one prompt; `on_token(0, token)` streams accepted tokens."""
+    """Draft-and-verify generation for a batch of prompts; `on_token(row, token)` streams accepted tokens.
+
+    The proposer drafts up to k tokens per row (`adaptive`: fewer when little gets accepted); rows finish
+    independently (eos, or `max_new_tokens`).
+    """
     if k <= 0:
-        raise ValueError(f"draft length k must be positive, got {k}")
-    check_lengths(target, [prompt], max_new_tokens)
+        raise DiffarError(f"block size (draft length) k must be positive, got {k}")
+    check_lengths(target, prompts, max_new_tokens)
     t0 = time.perf_counter()
-    max_len = len(prompt) + max_new_tokens
-    target.setup_cache(1, max_len)
-    proposer.start(max_len)
-    seq, out = list(prompt), []
-    token = int(sample_next(prefill(target, Batch.from_prompts([prompt], 0)), sampling, generator)[0])
+    B = len(prompts)
+    batch = Batch.from_prompts(prompts, 0)
+    width = batch.tokens.shape[1]
+    slots = width + max_new_tokens + 4 * (k + 1)
+    target.setup_cache(B, slots)
+    proposer.start(B, max(map(len, prompts)) + max_new_tokens + k)
+    state = DecodeState(
+        seqs=[list(p) for p in prompts], prompt_lengths=[len(p) for p in prompts], max_new_tokens=max_new_tokens,
+        valid=torch.zeros(B, slots, dtype=torch.bool),
+        hidden=target.tok_emb.weight.new_zeros(B, slots, target.config.d_model) if proposer.needs_hidden else None,
+        write=0)
+    state.valid[:, :width] = torch.arange(width) >= batch.pad.unsqueeze(1)
+    h = target.hidden_states(batch.tokens, positions=batch.positions(0, width), attn_mask=batch.attn_mask(0, width),
+                             cache_start=0)
+    if state.hidden is not None:
+        state.hidden[:, :width] = h
+    state.write = width
+    first = sample_next(target.lm_head(h[:, -1]), sampling, generator).tolist()
+    out: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
     passes, drafted, accepted_total = 1, 0, 0
+    block = AdaptiveBlock(k, adaptive)
 
-    def emit(t: int) -> bool:
-        """Append a token; False once generation is over (eos or the budget)."""
+    def emit(row: int, t: int) -> bool:
+        """Append a token to a row; False once the row is over (eos or its budget)."""
         if t == eos_id:
+            done[row] = True
             return False
-        out.append(t)
-        seq.append(t)
+        out[row].append(t)
+        state.seqs[row].append(t)
         if on_token:
-            on_token(0, t)
-        return len(out) < max_new_tokens
+            on_token(row, t)
+        done[row] = len(out[row]) >= max_new_tokens
+        return not done[row]
 
-    while emit(token):
-        # the target's cache holds seq[:-1]; seq[-1] is the token to feed next
-        drafts, dists = proposer.propose(seq, min(k, max_new_tokens - len(out)), sampling, generator)
-        logits = _feed(target, [seq[-1]] + drafts, len(seq) - 1)
-        passes, drafted = passes + 1, drafted + len(drafts)
-        n_ok, token = accept(logits, drafts, dists, sampling, generator)
-        accepted_total += n_ok
-        if not all(emit(d) for d in drafts[:n_ok]):
-            break
-        proposer.keep(len(seq))
-    return SpeculativeResult(out, len(prompt), passes, proposer.passes, drafted, accepted_total,
+    for row, t in enumerate(first):
+        emit(row, t)
+    while not all(done):
+        proposals = proposer.propose(state, block.k, sampling, generator)
+        room = [max_new_tokens - len(o) - 1 for o in out]  # the target adds a token of its own
+        proposals = [([], []) if done[r] else (d[:room[r]], q[:room[r]]) for r, (d, q) in enumerate(proposals)]
+        n = 1 + max(len(d) for d, _ in proposals)
+        if state.write + n > slots:
+            state.compact(target)
+        blocks = torch.zeros(B, n, dtype=torch.long)
+        for r, (d, _) in enumerate(proposals):
+            blocks[r, 0] = state.seqs[r][-1]
+            blocks[r, 1:1 + len(d)] = torch.tensor(d, dtype=torch.long)
+        logits = target.lm_head(state.feed(target, blocks))
+        passes += 1
+        kept, accepted_now = 0, []
+        for r, (d, q) in enumerate(proposals):
+            if done[r]:
+                continue
+            n_ok, token = accept(logits[r, :len(d) + 1], d, q, sampling, generator)
+            state.valid[r, state.write:state.write + 1 + n_ok] = True
+            kept = max(kept, n_ok)
+            drafted, accepted_total = drafted + len(d), accepted_total + n_ok
+            if d:
+                accepted_now.append(n_ok)
+            for t in d[:n_ok] + [token]:
+                if not emit(r, t):
+                    break
+        state.write += 1 + kept
+        block.update(accepted_now)
+        proposer.keep(state)
+    return SpeculativeResult(out, sum(map(len, prompts)), passes, proposer.passes, drafted, accepted_total,
                              time.perf_counter() - t0)

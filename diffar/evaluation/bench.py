@@ -9,12 +9,15 @@ from pathlib import Path
 
 import torch
 
-from diffar.checkpoint import load_checkpoint, load_draft
+from diffar.checkpoint import ar_stream, load_checkpoint, load_draft
 from diffar.data.batching import prompt_ids
 from diffar.data.corpora import load_corpus
 from diffar.decoding.ar import generate
+from diffar.decoding.refusion import DraftSchedule, refusion_generate
 from diffar.decoding.speculative import DraftModel, PromptLookup, speculative_generate
+from diffar.errors import DiffarError
 from diffar.evaluation.hardware import cpu_name
+from diffar.evaluation.metrics import text_metrics
 
 
 @dataclass
@@ -36,6 +39,7 @@ def bench_ar(checkpoint: str, corpus_name: str | None, batch_sizes: list[int], n
              repeats: int) -> list[BenchRecord]:
     """KV-cached vs uncached greedy AR at a fixed number of new tokens (eos ignored), batch by batch."""
     model, tokenizer, meta = load_checkpoint(checkpoint)
+    model = ar_stream(model)
     corpus = load_corpus(corpus_name or meta["corpus"], "test")
     texts = [p.source for p in corpus.pairs] if corpus.task == "seq2seq" else [d[:400] for d in corpus.documents]
     records = []
@@ -58,56 +62,93 @@ def bench_ar(checkpoint: str, corpus_name: str | None, batch_sizes: list[int], n
     return records
 
 
-def bench_speculative(checkpoint: str, draft: str, corpus_name: str | None, n_prompts: int, new_tokens: int,
-                      k: int) -> list[BenchRecord]:
-    """Batch-1 greedy AR vs the lossless draft-and-verify peers (prompt lookup, a draft model), one prompt
-    after another over the first n test prompts. seq2seq runs stop at eos (at most 2x the source + 16
-    tokens); continuation runs make exactly `new_tokens` (eos ignored)."""
-    model, tokenizer, meta = load_checkpoint(checkpoint)
-    draft_model = load_draft(draft, tokenizer)
-    corpus = load_corpus(corpus_name or meta["corpus"], "test")
+def _prompts(corpus, n_prompts: int) -> tuple[list[str], list[str]]:
+    """(prompts, references): seq2seq sources and targets; continuation windows of 300 characters from the
+    test works and the text that really follows them."""
     if corpus.task == "seq2seq":
-        texts, eos = [p.source for p in corpus.pairs[:n_prompts]], tokenizer.eos_id
-    else:
-        texts, eos = [d[i:i + 300] for d in corpus.documents for i in range(0, len(d) - 300, 5000)][:n_prompts], None
+        pairs = corpus.pairs[:n_prompts]
+        return [p.source for p in pairs], [p.target for p in pairs]
+    starts = [(d, i) for d in corpus.documents for i in range(0, len(d) - 1500, 5000)][:n_prompts]
+    return [d[i:i + 300] for d, i in starts], [d[i + 300:i + 1500] for d, i in starts]
+
+
+def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, n_prompts: int, new_tokens: int,
+                   k: int, batch_sizes: list[int], methods: list[str]) -> list[BenchRecord]:
+    """Greedy AR against the lossless draft-and-verify methods, all verifying with the same AR weights (a
+    ReFusion checkpoint's AR stream, or an AR checkpoint), on the same prompts in the same batches.
+
+    seq2seq runs stop at eos (at most 2x the longest source of the batch + 16 tokens); continuation runs
+    make exactly `new_tokens` (eos ignored). Outputs are scored against the references (the real
+    continuation, for continuation) and compared with plain AR's token for token.
+    """
+    model, tokenizer, meta = load_checkpoint(checkpoint)
+    ar = ar_stream(model)
+    if any(m.startswith("refusion") for m in methods) and meta["kind"] != "refusion":
+        raise DiffarError(f"{checkpoint} is an AR checkpoint; the refusion methods need a ReFusion one")
+    draft_model = load_draft(draft, tokenizer) if "ar+draft" in methods else None
+    corpus = load_corpus(corpus_name or meta["corpus"], "test")
+    texts, references = _prompts(corpus, n_prompts)
+    if not texts:
+        raise DiffarError(f"{corpus.name} gives no test prompts")
+    eos = tokenizer.eos_id if corpus.task == "seq2seq" else None
     prompts = [prompt_ids(tokenizer, meta["task"], t) for t in texts]
-    budgets = [min(2 * len(p) + 16, new_tokens) if eos is not None else new_tokens for p in prompts]
-    methods = {
-        "ar": lambda p, n: generate(model, [p], n, pad_id=tokenizer.pad_id, eos_id=eos),
-        "ar+prompt-lookup": lambda p, n: speculative_generate(model, PromptLookup(), p, n, k=k, eos_id=eos),
-        "ar+draft": lambda p, n: speculative_generate(model, DraftModel(draft_model), p, n, k=k, eos_id=eos),
+    words = [len(t.split()) for t in texts]
+    k_refusion = min(k, model.config.block) if meta["kind"] == "refusion" else k  # it drafts `block` per pass
+    runners = {
+        "ar": lambda ps, n, w: generate(ar, ps, n, pad_id=tokenizer.pad_id, eos_id=eos),
+        "ar+prompt-lookup": lambda ps, n, w: speculative_generate(ar, PromptLookup(), ps, n, k=k, eos_id=eos),
+        "ar+draft": lambda ps, n, w: speculative_generate(ar, DraftModel(draft_model), ps, n, k=k, eos_id=eos),
+        "refusion": lambda ps, n, w: refusion_generate(model, ps, n, k=k_refusion, eos_id=eos),
+        "refusion-dynamic": lambda ps, n, w: refusion_generate(model, ps, n, k=k_refusion, eos_id=eos, prompt_words=w,
+                                                               schedule=DraftSchedule(dynamic=True)),
     }
-    records, reference = [], None
-    for method, run in methods.items():
-        run(prompts[0], 8)  # warm-up
-        outs, seconds, passes, drafted, accepted = [], 0.0, 0, 0, 0
-        for p, n in zip(prompts, budgets):
-            r = run(p, n)
-            outs.append(r.tokens[0] if method == "ar" else r.tokens)
-            seconds += r.seconds
-            passes += r.forward_passes if method == "ar" else r.target_passes
-            drafted += getattr(r, "drafted", 0)
-            accepted += getattr(r, "accepted", 0)
-        reference = reference or outs
-        new = sum(map(len, outs))
-        records.append(BenchRecord(
-            method=method, task=Path(corpus.name).name, batch_size=1,
-            prompt_tokens=round(sum(map(len, prompts)) / len(prompts)), new_tokens=round(new / len(prompts)),
-            latency_ms=round(1000 * seconds / len(prompts), 1), tokens_per_s=round(new / seconds, 1),
-            forward_passes=round(passes / len(prompts)),
-            extra={"prompts": len(prompts), "k": k if method != "ar" else None,
-                   "tokens_per_ar_pass": round(new / passes, 3),
-                   "exact_match_vs_ar": sum(a == b for a, b in zip(outs, reference)) / len(prompts),
-                   "draft_acceptance": round(accepted / drafted, 3) if drafted else None}))
+    unknown = set(methods) - set(runners)
+    if unknown:
+        raise DiffarError(f"unknown method(s) {', '.join(sorted(unknown))}; choose from {', '.join(runners)}")
+    records = []
+    for bs in batch_sizes:
+        batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
+        reference_outputs = None
+        for method in methods:
+            if method == "ar+draft" and bs > 1:
+                continue  # the draft model keeps a one-row cache
+            run = runners[method]
+            run([prompts[i] for i in batches[0]], 8, [words[i] for i in batches[0]])  # warm-up
+            outs, seconds, passes, row_passes, draft_passes, drafted, accepted = [], 0.0, 0, 0, 0, 0, 0
+            for rows in batches:
+                batch = [prompts[i] for i in rows]
+                budget = min(2 * max(map(len, batch)) + 16, new_tokens) if eos is not None else new_tokens
+                r = run(batch, budget, [words[i] for i in rows])
+                ar_passes = r.forward_passes if method == "ar" else r.target_passes
+                outs += r.tokens
+                seconds += r.seconds
+                passes, row_passes = passes + ar_passes, row_passes + ar_passes * len(rows)
+                draft_passes += getattr(r, "draft_passes", 0)
+                drafted, accepted = drafted + getattr(r, "drafted", 0), accepted + getattr(r, "accepted", 0)
+            reference_outputs = reference_outputs or outs
+            new = sum(map(len, outs))
+            quality = text_metrics([tokenizer.decode(o).strip() for o in outs], references)
+            records.append(BenchRecord(
+                method=method, task=Path(corpus.name).name, batch_size=bs,
+                prompt_tokens=round(sum(map(len, prompts)) / len(prompts)), new_tokens=round(new / len(prompts)),
+                latency_ms=round(1000 * seconds / len(batches), 1), tokens_per_s=round(new / seconds, 1),
+                forward_passes=round(passes / len(batches)),
+                extra={"prompts": len(prompts),
+                       "k": None if method == "ar" else k_refusion if method.startswith("refusion") else k,
+                       "tokens_per_ar_pass": round(new / row_passes, 3),
+                       "draft_passes": round(draft_passes / len(batches)) if method != "ar" else None,
+                       "draft_acceptance": round(accepted / drafted, 3) if drafted else None,
+                       "exact_match_vs_ar": sum(a == b for a, b in zip(outs, reference_outputs)) / len(outs),
+                       "bleu4": quality["bleu4"], "rougeL": quality["rougeL"]}))
     return records
 
 
 def print_table(records: list[BenchRecord]) -> None:
-    base = {r.batch_size: r.tokens_per_s for r in records if r.method == "ar"}
+    base = {(r.task, r.batch_size): r.tokens_per_s for r in records if r.method == "ar"}
     print(f"{'method':<18}{'task':<13}{'batch':>6}{'prompt':>8}{'new':>6}{'latency ms':>12}{'tok/s':>10}"
           f"{'passes':>8}{'vs ar':>8}")
     for r in records:
-        speed = r.tokens_per_s / base[r.batch_size] if r.batch_size in base else float("nan")
+        speed = r.tokens_per_s / base[r.task, r.batch_size] if (r.task, r.batch_size) in base else float("nan")
         print(f"{r.method:<18}{r.task:<13}{r.batch_size:>6}{r.prompt_tokens:>8}{r.new_tokens:>6}"
               f"{r.latency_ms:>12.1f}{r.tokens_per_s:>10.1f}{r.forward_passes:>8}{speed:>7.2f}x")
         if r.extra:

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from diffar.checkpoint import load_checkpoint
+from diffar.checkpoint import ar_stream, load_checkpoint
 from diffar.data.batching import build_dataset, prompt_ids
 from diffar.data.corpora import EMBEDDED, load_corpus
 from diffar.decoding.ar import generate
@@ -45,6 +45,7 @@ def translate(model, tokenizer, sources: list[str], batch_size: int) -> tuple[li
 def evaluate_checkpoint(checkpoint: str, corpus_name: str | None, split: str, limit: int | None,
                         batch_size: int) -> dict:
     model, tokenizer, meta = load_checkpoint(checkpoint)
+    model = ar_stream(model)  # a ReFusion model's text is its AR stream's (lossless decoding)
     corpus = load_corpus(corpus_name or meta["corpus"], split)
     if split == "test" and corpus.name == meta["corpus"] and corpus.name not in EMBEDDED:
         raise DiffarError(f"{corpus.name} is the training data itself: evaluate its held-out part with "

@@ -7,11 +7,13 @@ Used as the AR baseline and as the AR stream of the diffusion models. For seq2se
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from diffar.data.batching import IGNORE_INDEX
 from diffar.errors import DiffarError
@@ -138,6 +140,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight
+        self.gradient_checkpointing = False  # recompute block activations in backward (less memory, ~1/3 slower)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -163,6 +166,36 @@ class Transformer(nn.Module):
                 self.tok_emb.weight.device
             )
 
+    def hidden_states(
+        self,
+        tokens: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        cache_start: int | None = None,
+        fuse: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """tokens (B, T) -> final (normed) hidden states (B, T, d_model); arguments as in `forward`.
+
+        `fuse(i, x)`, if given, rewrites the residual stream after block i (ReFusion's AR-side fusion).
+        """
+        B, T = tokens.shape
+        if positions is None:
+            start = cache_start or 0
+            positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
+        if int(positions.max()) >= self.config.max_seq_len:
+            raise DiffarError(f"sequence longer than the model's context ({self.config.max_seq_len} tokens)")
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        x = self.tok_emb(tokens)
+        for i, block in enumerate(self.blocks):
+            if self.gradient_checkpointing and torch.is_grad_enabled() and cache_start is None:
+                x = checkpoint(block, x, cos, sin, attn_mask, None, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, attn_mask, cache_start)
+            if fuse is not None:
+                x = fuse(i, x)
+        return self.norm(x)
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -178,17 +211,8 @@ class Transformer(nn.Module):
         attn_mask (B, 1, T, K) bool, True = attend; None means causal with no padding.
         cache_start: write keys/values at these cache slots and attend over slots [0, cache_start+T).
         """
-        B, T = tokens.shape
-        if positions is None:
-            start = cache_start or 0
-            positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
-        if int(positions.max()) >= self.config.max_seq_len:
-            raise DiffarError(f"sequence longer than the model's context ({self.config.max_seq_len} tokens)")
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        x = self.tok_emb(tokens)
-        for block in self.blocks:
-            x = block(x, cos, sin, attn_mask, cache_start)
-        logits = self.lm_head(self.norm(x))
+        logits = self.lm_head(self.hidden_states(tokens, positions=positions, attn_mask=attn_mask,
+                                                 cache_start=cache_start))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1),

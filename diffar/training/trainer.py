@@ -102,6 +102,7 @@ class Trainer:
         )
         self.step = 0
         self.last_metrics: dict = {}
+        self.loss_parts: dict[str, float] = {}  # a model's own loss terms (its `loss_parts`), logged per step
         self.metrics_path = self.run_dir / "metrics.jsonl"
 
     # ---- data -------------------------------------------------------------------------------------
@@ -179,7 +180,8 @@ class Trainer:
     def evaluate(self) -> float:
         """Token-weighted mean loss over a fixed set of validation examples."""
         self.model.eval()
-        with self.autocast():
+        with self.autocast(), torch.random.fork_rng():  # a model that samples (noise, anchors) scores alike
+            torch.manual_seed(self.cfg.seed)
             nll = mean_nll(self.model, self.valid_data, self.cfg.batch_size, self.cfg.eval_examples, self.device)
         self.model.train()
         return nll
@@ -190,18 +192,22 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, cfg)
         micro = self.micro_batches(self.step)
+        torch.manual_seed(cfg.seed * 1_000_003 + self.step * 64 + self.rank)  # the model's own draws (resumable)
         counts = [int((b["targets"] != IGNORE_INDEX).sum()) for b in micro]
         total = self.all_sum([float(sum(counts))])[0]
         # Each micro-batch's mean loss, weighted by its share of the global batch's target tokens. DDP
         # averages gradients over processes, hence the factor `world`.
-        loss_sum = 0.0
+        loss_sum, parts = 0.0, {}
         for m, (batch, n) in enumerate(zip(micro, counts)):
             sync = self.ddp is None or m == len(micro) - 1
             with (contextlib.nullcontext() if sync else self.ddp.no_sync()), self.autocast():
                 _, loss = net(**batch)
             (loss * (n * self.world / total)).backward()
             loss_sum += loss.item() * n
+            for k, v in getattr(self.model, "loss_parts", {}).items():
+                parts[k] = parts.get(k, 0.0) + v * n
         loss_sum = self.all_sum([loss_sum])[0]
+        self.loss_parts = {k: round(v / sum(counts), 5) for k, v in parts.items()}  # this process's share
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -231,8 +237,8 @@ class Trainer:
                 loss, tokens = self.train_step()
                 tok_s = tokens / (time.perf_counter() - t0)
                 stop = self.all_sum([float(bool(signalled))])[0] > 0  # every process stops at the same step
-                record = {"step": self.step, "loss": round(loss, 6), "lr": lr_at(self.step - 1, self.cfg),
-                          "tokens_per_s": round(tok_s, 1)}
+                record = {"step": self.step, "loss": round(loss, 6), **self.loss_parts,
+                          "lr": lr_at(self.step - 1, self.cfg), "tokens_per_s": round(tok_s, 1)}
                 if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.max_steps:
                     val = self.evaluate()
                     record.update(val_loss=round(val, 6), val_ppl=round(perplexity(val), 3))

@@ -1,0 +1,132 @@
+"""ReFusion decoding: the diffusion stream drafts a block, the AR stream verifies it (lossless).
+
+The drafter reads the AR stream's hidden states, which the verifier keeps per cache slot next to its KV
+cache (the seed's cache mechanism: nothing is recomputed to draft). From pure noise it denoises a block
+of `block` token embeddings after the AR stream's own latest token in `steps` DDIM steps (one by default)
+and rounds them to tokens; `speculative_generate` verifies them, so greedy output equals plain AR greedy
+and sampled output follows the AR distribution, whatever the drafts.
+
+The seed's dynamic schedule decides per row how hard to draft: `full_steps` denoising steps in the first
+20 % of the output, 1..`mid_steps` by the last draft's confidence up to 70 %, then none (pure AR); rows
+whose prompt has fewer than 15 words are decoded by the AR stream alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from diffar.decoding.sampling import SamplingConfig, probabilities
+from diffar.decoding.speculative import DecodeState, Drafts, SpeculativeResult, speculative_generate
+from diffar.diffusion.scheduler import DDIMScheduler
+from diffar.errors import DiffarError
+from diffar.models.refusion import RefusionModel, TextDiffuser
+
+
+@dataclass(frozen=True)
+class DraftSchedule:
+    steps: int = 1  # denoising steps per draft (lossless mode)
+    dynamic: bool = False  # the seed's schedule below instead
+    early: float = 0.2  # share of the output drafted with full_steps
+    late: float = 0.7  # share after which decoding is pure AR
+    full_steps: int = 4
+    mid_steps: int = 2  # the most steps in the middle phase (1 when the last draft was confident)
+    min_prompt_words: int = 15  # shorter prompts: AR only
+
+    def __post_init__(self):
+        if min(self.steps, self.full_steps, self.mid_steps) <= 0:
+            raise DiffarError("denoising steps must be positive")
+        if not 0 <= self.early <= self.late <= 1:
+            raise DiffarError(f"schedule thresholds must satisfy 0 <= early <= late <= 1, got {self.early}, "
+                              f"{self.late}")
+
+    def steps_for(self, progress: float, confidence: float) -> int:
+        """Denoising steps for a row `progress` of the way through its output (0: do not draft)."""
+        if not self.dynamic:
+            return self.steps
+        if progress < self.early:
+            return self.full_steps
+        if progress < self.late:
+            return 1 + round((self.mid_steps - 1) * (1 - confidence))
+        return 0
+
+
+def denoise_block(diffuser: TextDiffuser, context: torch.Tensor, context_mask: torch.Tensor, anchor: torch.Tensor,
+                  noise: torch.Tensor, steps: int) -> torch.Tensor:
+    """DDIM from pure noise (N, block, d) to token logits (N, block, V). The anchor slot holds the token each
+    row's block follows (N,), clean; intermediate predictions snap to their nearest token embedding
+    (Diffusion-LM's clamping) before being re-noised."""
+    scheduler = DDIMScheduler(diffuser.schedule)
+    scheduler.set_timesteps(steps)
+    anchor = diffuser.embed(anchor).unsqueeze(1)
+    z = noise
+    for t in scheduler.timesteps.tolist():
+        times = torch.full((len(z), z.shape[1] + 1), t)
+        times[:, 0] = 0.0
+        x0 = diffuser(torch.cat([anchor, z], dim=1), times, context, context_mask)[:, 1:]
+        logits = diffuser.logits(x0)
+        if scheduler.next_time(t) > 0:
+            z = scheduler.step(diffuser.embed(logits.argmax(-1)), t, z)
+    return logits
+
+
+class DiffusionDrafter:
+    """A proposer for `speculative_generate`: ReFusion's diffusion stream."""
+
+    needs_hidden = True
+
+    def __init__(self, model: RefusionModel, schedule: DraftSchedule = DraftSchedule(),
+                 prompt_words: list[int] | None = None):
+        if not model.lossless:
+            raise DiffarError("this ReFusion model's AR stream reads the diffusion stream (AR-side fusion), so its "
+                              "drafts would change the text: lossless decoding needs ar_fusion_layers = ()")
+        self.model, self.schedule, self.prompt_words = model, schedule, prompt_words
+        self.passes = 0
+
+    def start(self, batch_size: int, max_len: int) -> None:
+        self.passes, self.confidence = 0, [1.0] * batch_size
+        self.noise = torch.Generator().manual_seed(0)  # drafts are reproducible; verification decides anyway
+
+    def propose(self, state: DecodeState, k: int, sampling: SamplingConfig, generator) -> Drafts:
+        B = len(state.seqs)
+        steps = [0 if self.prompt_words and self.prompt_words[r] < self.schedule.min_prompt_words
+                 else self.schedule.steps_for(state.progress(r), self.confidence[r]) for r in range(B)]
+        rows = [r for r in range(B) if steps[r] > 0]
+        out: Drafts = [([], [])] * B
+        if not rows:
+            return out
+        d = self.model.diffuser
+        index = torch.tensor(rows)
+        noise = torch.randn(len(rows), self.model.config.block, d.d_model, generator=self.noise).to(d.out.weight.dtype)
+        anchor = torch.tensor([state.seqs[r][-1] for r in rows])
+        logits = denoise_block(d, state.hidden[index, :state.write], state.valid[index, :state.write], anchor,
+                               noise, max(steps))[:, :k].float()
+        self.passes += max(steps)
+        for i, r in enumerate(rows):
+            if sampling.greedy:
+                drafts, dists = logits[i].argmax(-1).tolist(), [None] * k
+                self.confidence[r] = float(torch.softmax(logits[i], -1).amax(-1).mean())
+            else:
+                q = probabilities(logits[i], sampling)
+                drafts, dists = torch.multinomial(q, 1, generator=generator).squeeze(1).tolist(), list(q)
+                self.confidence[r] = float(q.amax(-1).mean())
+            out[r] = (drafts, dists)
+        return out
+
+    def keep(self, state: DecodeState) -> None:
+        pass
+
+
+def refusion_generate(model: RefusionModel, prompts: list[list[int]], max_new_tokens: int, *, k: int | None = None,
+                      eos_id: int | None, schedule: DraftSchedule = DraftSchedule(),
+                      prompt_words: list[int] | None = None, sampling: SamplingConfig = SamplingConfig(),
+                      generator: torch.Generator | None = None, on_token=None,
+                      adaptive: bool = True) -> SpeculativeResult:
+    """Lossless ReFusion decoding of a batch; k (default: the model's block) caps the drafts verified."""
+    k = model.config.block if k is None else k
+    if k > model.config.block:
+        raise DiffarError(f"block size {k} exceeds the {model.config.block} tokens this model drafts per pass")
+    return speculative_generate(model.ar, DiffusionDrafter(model, schedule, prompt_words), prompts, max_new_tokens,
+                                k=k, eos_id=eos_id, sampling=sampling, generator=generator, on_token=on_token,
+                                adaptive=adaptive)
