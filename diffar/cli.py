@@ -153,7 +153,7 @@ def cmd_generate(args) -> None:
         raise DiffarError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.k is not None and args.k <= 0:
         raise DiffarError(f"--k must be positive, got {args.k}")
-    schedule = DraftSchedule(steps=args.steps, dynamic=args.dynamic)
+    schedule = DraftSchedule(steps=args.steps, dynamic=args.dynamic, plan_threshold=args.plan_infill)
     model, tokenizer, meta = load_checkpoint(args.checkpoint, args.tokenizer)
     method = args.method or ("refusion" if meta["kind"] == "refusion" else "ar")
     if method == "refusion" and meta["kind"] != "refusion":
@@ -181,7 +181,7 @@ def cmd_generate(args) -> None:
     if method == "refusion":
         result = refusion_generate(model, [ids], args.max_new_tokens, k=args.k, schedule=schedule,
                                    prompt_words=[len(text.split())], **decode)
-        label = "refusion" + ("-dynamic" if args.dynamic else "")
+        label = "refusion" + ("-dynamic" if args.dynamic else "") + ("-infill" if args.plan_infill else "")
     elif proposer is not None:
         result = speculative_generate(ar, proposer, [ids], args.max_new_tokens, k=args.k or 8, **decode)
         label = "ar+draft" if args.draft else "ar+prompt-lookup"
@@ -289,7 +289,7 @@ def cmd_bench_lossless(args) -> None:
     if args.k <= 0:
         raise DiffarError(f"--k must be positive, got {args.k}")
     records = bench_lossless(args.checkpoint, args.draft, args.corpus, args.prompts, args.new_tokens, args.k,
-                             args.batch_sizes, args.methods)
+                             args.batch_sizes, args.methods, getattr(args, "plan_threshold", 0.9))
     print_table(records)
     write_records(records, args.out)
 
@@ -397,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", choices=["ar", "refusion"], help="default: refusion for ReFusion checkpoints")
     g.add_argument("--steps", type=int, default=1, help="refusion: denoising steps per draft")
     g.add_argument("--dynamic", action="store_true", help="refusion: the seed's dynamic schedule")
+    g.add_argument("--plan-infill", type=float, metavar="THRESHOLD",
+                   help="refusion: keep drafts at least this confident unverified (faster, not lossless)")
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval", help="BLEU-4/chrF/ROUGE-L and perplexity on a corpus split")
@@ -426,7 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     brf.add_argument("--checkpoint", default="checkpoints/refusion-kjv2web", help="a ReFusion checkpoint")
     brf.add_argument("--draft", default="checkpoints/draft-kjv2web", help="the small AR drafter peer")
     brf.add_argument("--methods", nargs="+",
-                     default=["ar", "ar+prompt-lookup", "ar+draft", "refusion", "refusion-dynamic"])
+                     default=["ar", "ar+prompt-lookup", "ar+draft", "refusion", "refusion-dynamic", "refusion-infill"])
+    brf.add_argument("--plan-threshold", type=float, default=0.9, help="refusion-infill: keep drafts this confident")
     for p in (bsp, brf):
         p.add_argument("--corpus", help="prompts from this corpus's test split (default: the checkpoint's corpus)")
         p.add_argument("--prompts", type=_positive_int, default=32)

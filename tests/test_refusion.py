@@ -69,6 +69,19 @@ def test_dynamic_schedule_is_lossless_and_skips_short_prompts(model):
     assert short.tokens == plain and short.drafted == 0 and short.draft_passes == 0
 
 
+def test_plan_and_infill(model):
+    """Nothing confident enough: plain verification. Everything planned: whole blocks kept unverified."""
+    plain = plain_ar(model, PROMPTS, 30)
+    never = refusion_generate(model, PROMPTS, 30, k=4, eos_id=None, schedule=DraftSchedule(plan_threshold=1.0))
+    assert never.tokens == plain
+    always = refusion_generate(model, PROMPTS, 30, k=4, eos_id=None, schedule=DraftSchedule(plan_threshold=1e-9),
+                               adaptive=False)
+    assert always.accepted == always.drafted and always.target_passes == 1 + -(-29 // 5)
+    assert always.tokens != plain and all(len(t) == 30 for t in always.tokens)
+    with pytest.raises(DiffarError, match="plan-and-infill threshold"):
+        DraftSchedule(plan_threshold=0.0)
+
+
 def test_schedule_phases():
     s = DraftSchedule(dynamic=True, full_steps=5, mid_steps=3)
     assert s.steps_for(0.1, 0.9) == 5
@@ -203,24 +216,27 @@ def test_cli_generate_and_bench(tiny_refusion, tmp_path):
     ar = run_cli("generate", "--checkpoint", tiny_refusion, "--method", "ar", *prompt)
     refusion = run_cli("generate", "--checkpoint", tiny_refusion, *prompt)
     dynamic = run_cli("generate", "--checkpoint", tiny_refusion, "--dynamic", "--steps", "2", *prompt)
+    infill = run_cli("generate", "--checkpoint", tiny_refusion, "--plan-infill", "0.5", *prompt)
     for proc in (ar, refusion, dynamic):
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout == ar.stdout  # lossless
+    assert infill.returncode == 0 and "[refusion-infill]" in infill.stderr
     assert "[refusion]" in refusion.stderr and "diffusion passes" in refusion.stderr
     assert "tokens/AR pass" in refusion.stderr and "drafts accepted" in refusion.stderr
     out = tmp_path / "bench.json"
     proc = run_cli("bench", "refusion", "--checkpoint", tiny_refusion, "--draft", tiny_refusion, "--prompts", "4",
                    "--batch-sizes", "1", "2", "--methods", "ar", "ar+prompt-lookup", "refusion", "refusion-dynamic",
-                   "--out", out)
+                   "refusion-infill", "--out", out)
     assert proc.returncode == 0, proc.stderr
     import json
 
     records = json.loads(out.read_text())
+    lossless = ("ar", "ar+prompt-lookup", "refusion", "refusion-dynamic")
     assert {(r["method"], r["batch_size"]) for r in records} == {
-        (m, b) for m in ("ar", "ar+prompt-lookup", "refusion", "refusion-dynamic") for b in (1, 2)}
+        (m, b) for m in lossless + ("refusion-infill",) for b in (1, 2)}
     for r in records:
-        assert r["extra"]["exact_match_vs_ar"] == 1.0 and r["extra"]["tokens_per_ar_pass"] > 0
-        assert {"bleu4", "rougeL"} <= set(r["extra"])
+        assert r["extra"]["tokens_per_ar_pass"] > 0 and {"bleu4", "rougeL"} <= set(r["extra"])
+        assert r["extra"]["exact_match_vs_ar"] == 1.0 or r["method"] not in lossless
 
 
 def test_cli_bad_input(tiny_refusion, tiny_run, tmp_path):

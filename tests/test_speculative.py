@@ -8,7 +8,7 @@ import torch
 
 from diffar.decoding.ar import Batch, generate, prefill
 from diffar.decoding.sampling import SamplingConfig, probabilities
-from diffar.decoding.speculative import DecodeState, DraftModel, PromptLookup, accept, speculative_generate
+from diffar.decoding.speculative import DecodeState, Draft, DraftModel, PromptLookup, accept, speculative_generate
 from diffar.errors import DiffarError
 from tests.conftest import random_model
 
@@ -63,7 +63,7 @@ class NoisyOracle:
             for i in range(len(drafts)):
                 if float(torch.rand((), generator=self.g)) < self.error_rate:
                     drafts[i] = int(torch.randint(512, (), generator=self.g))
-            out.append((drafts, [None] * len(drafts)))
+            out.append(Draft(drafts))
         return out
 
     def keep(self, state):

@@ -9,6 +9,12 @@ and sampled output follows the AR distribution, whatever the drafts.
 The seed's dynamic schedule decides per row how hard to draft: `full_steps` denoising steps in the first
 20 % of the output, 1..`mid_steps` by the last draft's confidence up to 70 %, then none (pure AR); rows
 whose prompt has fewer than 15 words are decoded by the AR stream alone.
+
+Plan-and-infill (after ReFusion, arXiv 2512.13586, at the granularity of single-token slots): the diffusion
+stream plans the slots it is confident of (max probability >= `plan_threshold`) and keeps them without
+verification; in the same pass the AR stream infills the other slots, each conditioned on the block before
+it, and the block ends at the first infilled slot that disagrees with its draft. Faster, and no longer
+lossless: quality is measured against the references, not assumed.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from diffar.decoding.sampling import SamplingConfig, probabilities
-from diffar.decoding.speculative import DecodeState, Drafts, SpeculativeResult, speculative_generate
+from diffar.decoding.speculative import DecodeState, Draft, SpeculativeResult, speculative_generate
 from diffar.diffusion.scheduler import DDIMScheduler
 from diffar.errors import DiffarError
 from diffar.models.refusion import RefusionModel, TextDiffuser
@@ -33,6 +39,7 @@ class DraftSchedule:
     full_steps: int = 4
     mid_steps: int = 2  # the most steps in the middle phase (1 when the last draft was confident)
     min_prompt_words: int = 15  # shorter prompts: AR only
+    plan_threshold: float | None = None  # plan-and-infill: keep drafts this confident unverified (lossy)
 
     def __post_init__(self):
         if min(self.steps, self.full_steps, self.mid_steps) <= 0:
@@ -40,6 +47,8 @@ class DraftSchedule:
         if not 0 <= self.early <= self.late <= 1:
             raise DiffarError(f"schedule thresholds must satisfy 0 <= early <= late <= 1, got {self.early}, "
                               f"{self.late}")
+        if self.plan_threshold is not None and not 0 < self.plan_threshold <= 1:
+            raise DiffarError(f"the plan-and-infill threshold must be in (0, 1], got {self.plan_threshold}")
 
     def steps_for(self, progress: float, confidence: float) -> int:
         """Denoising steps for a row `progress` of the way through its output (0: do not draft)."""
@@ -88,12 +97,12 @@ class DiffusionDrafter:
         self.passes, self.confidence = 0, [1.0] * batch_size
         self.noise = torch.Generator().manual_seed(0)  # drafts are reproducible; verification decides anyway
 
-    def propose(self, state: DecodeState, k: int, sampling: SamplingConfig, generator) -> Drafts:
-        B = len(state.seqs)
-        steps = [0 if self.prompt_words and self.prompt_words[r] < self.schedule.min_prompt_words
-                 else self.schedule.steps_for(state.progress(r), self.confidence[r]) for r in range(B)]
+    def propose(self, state: DecodeState, k: int, sampling: SamplingConfig, generator) -> list[Draft]:
+        B, schedule = len(state.seqs), self.schedule
+        steps = [0 if self.prompt_words and self.prompt_words[r] < schedule.min_prompt_words
+                 else schedule.steps_for(state.progress(r), self.confidence[r]) for r in range(B)]
         rows = [r for r in range(B) if steps[r] > 0]
-        out: Drafts = [([], [])] * B
+        out = [Draft([]) for _ in range(B)]
         if not rows:
             return out
         d = self.model.diffuser
@@ -103,15 +112,18 @@ class DiffusionDrafter:
         logits = denoise_block(d, state.hidden[index, :state.write], state.valid[index, :state.write], anchor,
                                noise, max(steps))[:, :k].float()
         self.passes += max(steps)
+        confidence = torch.softmax(logits, -1).amax(-1) if schedule.dynamic or schedule.plan_threshold else None
         for i, r in enumerate(rows):
             if sampling.greedy:
-                drafts, dists = logits[i].argmax(-1).tolist(), [None] * k
-                self.confidence[r] = float(torch.softmax(logits[i], -1).amax(-1).mean())
+                draft = Draft(logits[i].argmax(-1).tolist())
             else:
                 q = probabilities(logits[i], sampling)
-                drafts, dists = torch.multinomial(q, 1, generator=generator).squeeze(1).tolist(), list(q)
-                self.confidence[r] = float(q.amax(-1).mean())
-            out[r] = (drafts, dists)
+                draft = Draft(torch.multinomial(q, 1, generator=generator).squeeze(1).tolist(), list(q))
+            if schedule.dynamic:
+                self.confidence[r] = float(confidence[i].mean())
+            if schedule.plan_threshold:
+                draft.planned = (confidence[i] >= schedule.plan_threshold).tolist()
+            out[r] = draft
         return out
 
     def keep(self, state: DecodeState) -> None:
@@ -123,7 +135,8 @@ def refusion_generate(model: RefusionModel, prompts: list[list[int]], max_new_to
                       prompt_words: list[int] | None = None, sampling: SamplingConfig = SamplingConfig(),
                       generator: torch.Generator | None = None, on_token=None,
                       adaptive: bool = True) -> SpeculativeResult:
-    """Lossless ReFusion decoding of a batch; k (default: the model's block) caps the drafts verified."""
+    """ReFusion decoding of a batch, lossless unless `schedule.plan_threshold` is set; k (default: the model's
+    block) caps the drafts verified per AR pass."""
     k = model.config.block if k is None else k
     if k > model.config.block:
         raise DiffarError(f"block size {k} exceeds the {model.config.block} tokens this model drafts per pass")

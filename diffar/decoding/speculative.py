@@ -27,7 +27,18 @@ from diffar.decoding.sampling import SamplingConfig, probabilities, sample_next
 from diffar.errors import DiffarError
 from diffar.models.transformer import Transformer
 
-Drafts = list[tuple[list[int], list]]  # per row: draft tokens, and the distribution each was drawn from
+
+
+@dataclass
+class Draft:
+    """One row's proposal."""
+
+    tokens: list[int]
+    dists: list | None = None  # the distribution each token was drawn from; None: greedy, or a certain copy
+    planned: list[bool] | None = None  # tokens kept without verification (plan-and-infill: not lossless)
+
+    def __getitem__(self, cut: slice) -> Draft:
+        return Draft(self.tokens[cut], self.dists and self.dists[cut], self.planned and self.planned[cut])
 
 
 @dataclass
@@ -119,7 +130,7 @@ class DraftModel:
         self.cached, self.passes = self.cached + len(tokens), self.passes + 1
         return logits[0, -1]
 
-    def propose(self, state: DecodeState, k: int, sampling: SamplingConfig, generator) -> Drafts:
+    def propose(self, state: DecodeState, k: int, sampling: SamplingConfig, generator) -> list[Draft]:
         """k drafts following the text, with the distributions they were drawn from (None when greedy)."""
         seq = state.seqs[0]
         logits = self._feed(seq[self.cached:])
@@ -134,7 +145,7 @@ class DraftModel:
             dists.append(dist)
             if i < k - 1:
                 logits = self._feed([token])
-        return [(drafts, dists)]
+        return [Draft(drafts, dists)]
 
     def keep(self, state: DecodeState) -> None:
         """Only the text is still right; later cache slots get rewritten."""
@@ -153,40 +164,43 @@ class PromptLookup:
     def start(self, batch_size: int, max_len: int) -> None:
         pass
 
-    def propose(self, state: DecodeState, k: int, sampling: SamplingConfig, generator) -> Drafts:
-        return [self.lookup(seq, k) for seq in state.seqs]
+    def propose(self, state: DecodeState, k: int, sampling: SamplingConfig, generator) -> list[Draft]:
+        return [Draft(self.lookup(seq, k)) for seq in state.seqs]  # a copy is certain: q is one-hot
 
-    def lookup(self, seq: list[int], k: int) -> tuple[list[int], list]:
+    def lookup(self, seq: list[int], k: int) -> list[int]:
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             tail = seq[-n:]
             for start in range(len(seq) - n - 1, -1, -1):
                 if seq[start:start + n] == tail:
-                    drafts = seq[start + n:start + n + k]
-                    return drafts, [None] * len(drafts)  # a copy is certain: q is one-hot
-        return [], []
+                    return seq[start + n:start + n + k]
+        return []
 
     def keep(self, state: DecodeState) -> None:
         pass
 
 
-def accept(logits: torch.Tensor, drafts: list[int], dists: list, sampling: SamplingConfig,
-           generator: torch.Generator | None = None) -> tuple[int, int]:
+def accept(logits: torch.Tensor, drafts: list[int], dists: list | None, sampling: SamplingConfig,
+           generator: torch.Generator | None = None, planned: list[bool] | None = None) -> tuple[int, int]:
     """Verify drafts against the target's logits (len(drafts)+1, V).
 
     Returns (how many drafts are accepted, the target's own next token). Greedy: a draft stands if it is
     the target's argmax. Sampling: draft d with proposal q is kept with probability min(1, p(d)/q(d));
     at the first rejection the token is drawn from the residual max(0, p - q), renormalised; after all
-    are kept, the bonus token is drawn from p. A one-hot q (None) is a deterministic copy.
+    are kept, the bonus token is drawn from p. A one-hot q (None) is a deterministic copy. Drafts marked
+    `planned` are kept unverified (the later ones were scored after them, so the rule still applies to
+    them), which makes the output no longer the target's alone.
     """
+    dists = dists or [None] * len(drafts)
+    planned = planned or [False] * len(drafts)
     if sampling.greedy:
         for i, d in enumerate(drafts):
-            if int(logits[i].argmax()) != d:
+            if not planned[i] and int(logits[i].argmax()) != d:
                 return i, int(logits[i].argmax())
         return len(drafts), int(logits[len(drafts)].argmax())
     p = probabilities(logits, sampling)
     for i, (d, q) in enumerate(zip(drafts, dists)):
         q_d = 1.0 if q is None else float(q[d])
-        if float(torch.rand((), generator=generator)) * q_d < float(p[i, d]):
+        if planned[i] or float(torch.rand((), generator=generator)) * q_d < float(p[i, d]):
             continue
         residual = p[i].clone()
         if q is None:
@@ -278,21 +292,22 @@ def speculative_generate(
     while not all(done):
         proposals = proposer.propose(state, block.k, sampling, generator)
         room = [max_new_tokens - len(o) - 1 for o in out]  # the target adds a token of its own
-        proposals = [([], []) if done[r] else (d[:room[r]], q[:room[r]]) for r, (d, q) in enumerate(proposals)]
-        n = 1 + max(len(d) for d, _ in proposals)
+        proposals = [Draft([]) if done[r] else p[:room[r]] for r, p in enumerate(proposals)]
+        n = 1 + max(len(p.tokens) for p in proposals)
         if state.write + n > slots:
             state.compact(target)
         blocks = torch.zeros(B, n, dtype=torch.long)
-        for r, (d, _) in enumerate(proposals):
+        for r, p in enumerate(proposals):
             blocks[r, 0] = state.seqs[r][-1]
-            blocks[r, 1:1 + len(d)] = torch.tensor(d, dtype=torch.long)
+            blocks[r, 1:1 + len(p.tokens)] = torch.tensor(p.tokens, dtype=torch.long)
         logits = target.lm_head(state.feed(target, blocks))
         passes += 1
         kept, accepted_now = 0, []
-        for r, (d, q) in enumerate(proposals):
+        for r, p in enumerate(proposals):
             if done[r]:
                 continue
-            n_ok, token = accept(logits[r, :len(d) + 1], d, q, sampling, generator)
+            d = p.tokens
+            n_ok, token = accept(logits[r, :len(d) + 1], d, p.dists, sampling, generator, p.planned)
             state.valid[r, state.write:state.write + 1 + n_ok] = True
             kept = max(kept, n_ok)
             drafted, accepted_total = drafted + len(d), accepted_total + n_ok

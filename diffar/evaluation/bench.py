@@ -73,9 +73,11 @@ def _prompts(corpus, n_prompts: int) -> tuple[list[str], list[str]]:
 
 
 def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, n_prompts: int, new_tokens: int,
-                   k: int, batch_sizes: list[int], methods: list[str]) -> list[BenchRecord]:
-    """Greedy AR against the lossless draft-and-verify methods, all verifying with the same AR weights (a
-    ReFusion checkpoint's AR stream, or an AR checkpoint), on the same prompts in the same batches.
+                   k: int, batch_sizes: list[int], methods: list[str],
+                   plan_threshold: float = 0.9) -> list[BenchRecord]:
+    """Greedy AR against the draft-and-verify methods, all verifying with the same AR weights (a ReFusion
+    checkpoint's AR stream, or an AR checkpoint), on the same prompts in the same batches. All are lossless
+    but `refusion-infill` (plan-and-infill, keeping diffusion drafts at least `plan_threshold` confident).
 
     seq2seq runs stop at eos (at most 2x the longest source of the batch + 16 tokens); continuation runs
     make exactly `new_tokens` (eos ignored). Outputs are scored against the references (the real
@@ -101,6 +103,8 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
         "refusion": lambda ps, n, w: refusion_generate(model, ps, n, k=k_refusion, eos_id=eos),
         "refusion-dynamic": lambda ps, n, w: refusion_generate(model, ps, n, k=k_refusion, eos_id=eos, prompt_words=w,
                                                                schedule=DraftSchedule(dynamic=True)),
+        "refusion-infill": lambda ps, n, w: refusion_generate(model, ps, n, k=k_refusion, eos_id=eos,
+                                                              schedule=DraftSchedule(plan_threshold=plan_threshold)),
     }
     unknown = set(methods) - set(runners)
     if unknown:
@@ -134,6 +138,7 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
                 latency_ms=round(1000 * seconds / len(batches), 1), tokens_per_s=round(new / seconds, 1),
                 forward_passes=round(passes / len(batches)),
                 extra={"prompts": len(prompts),
+                       "plan_threshold": plan_threshold if method == "refusion-infill" else None,
                        "k": None if method == "ar" else k_refusion if method.startswith("refusion") else k,
                        "tokens_per_ar_pass": round(new / row_passes, 3),
                        "draft_passes": round(draft_passes / len(batches)) if method != "ar" else None,
