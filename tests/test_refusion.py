@@ -154,8 +154,9 @@ def test_ar_side_fusion_changes_the_ar_stream_only_when_enabled():
 def test_diffusion_side_fusion_reads_the_ar_stream_only_when_enabled():
     def draft(model, context):
         z, t = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(0)), torch.ones(2, 5)
+        tokens = torch.randint(0, VOCAB, (2, 7, 2), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
-            return model.diffuser(z, t, context, torch.ones(2, 7, dtype=torch.bool))
+            return model.diffuser(z, t, context, torch.ones(2, 7, dtype=torch.bool), tokens)
 
     a, b = torch.randn(2, 7, 64), torch.randn(2, 7, 64)
     fused, unfused = random_refusion(0), random_refusion(0, diffusion_fusion_layers=())

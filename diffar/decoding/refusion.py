@@ -61,11 +61,11 @@ class DraftSchedule:
         return 0
 
 
-def denoise_block(diffuser: TextDiffuser, context: torch.Tensor, context_mask: torch.Tensor, anchor: torch.Tensor,
-                  noise: torch.Tensor, steps: int) -> torch.Tensor:
-    """DDIM from pure noise (N, block, d) to token logits (N, block, V). The anchor slot holds the token each
-    row's block follows (N,), clean; intermediate predictions snap to their nearest token embedding
-    (Diffusion-LM's clamping) before being re-noised."""
+def denoise_block(diffuser: TextDiffuser, context: torch.Tensor, context_mask: torch.Tensor,
+                  context_tokens: torch.Tensor, anchor: torch.Tensor, noise: torch.Tensor, steps: int) -> torch.Tensor:
+    """DDIM from pure noise (N, block, d) to token logits (N, block, V); the context as in TextDiffuser.
+    The anchor slot holds the token each row's block follows (N,), clean; intermediate predictions snap to
+    their nearest token embedding (Diffusion-LM's clamping) before being re-noised."""
     scheduler = DDIMScheduler(diffuser.schedule)
     scheduler.set_timesteps(steps)
     anchor = diffuser.embed(anchor).unsqueeze(1)
@@ -73,7 +73,7 @@ def denoise_block(diffuser: TextDiffuser, context: torch.Tensor, context_mask: t
     for t in scheduler.timesteps.tolist():
         times = torch.full((len(z), z.shape[1] + 1), t)
         times[:, 0] = 0.0
-        x0 = diffuser(torch.cat([anchor, z], dim=1), times, context, context_mask)[:, 1:]
+        x0 = diffuser(torch.cat([anchor, z], dim=1), times, context, context_mask, context_tokens)[:, 1:]
         logits = diffuser.logits(x0)
         if scheduler.next_time(t) > 0:
             z = scheduler.step(diffuser.embed(logits.argmax(-1)), t, z)
@@ -99,7 +99,7 @@ class DiffusionDrafter:
 
     def propose(self, state: DecodeState, k: int, sampling: SamplingConfig, generator) -> list[Draft]:
         B, schedule = len(state.seqs), self.schedule
-        steps = [0 if self.prompt_words and self.prompt_words[r] < schedule.min_prompt_words
+        steps = [0 if state.done[r] or (self.prompt_words and self.prompt_words[r] < schedule.min_prompt_words)
                  else schedule.steps_for(state.progress(r), self.confidence[r]) for r in range(B)]
         rows = [r for r in range(B) if steps[r] > 0]
         out = [Draft([]) for _ in range(B)]
@@ -109,8 +109,13 @@ class DiffusionDrafter:
         index = torch.tensor(rows)
         noise = torch.randn(len(rows), self.model.config.block, d.d_model, generator=self.noise).to(d.out.weight.dtype)
         anchor = torch.tensor([state.seqs[r][-1] for r in rows])
-        logits = denoise_block(d, state.hidden[index, :state.write], state.valid[index, :state.write], anchor,
-                               noise, max(steps))[:, :k].float()
+        valid = state.valid[index, :state.write]
+        tokens = torch.zeros(len(rows), state.write, 2, dtype=torch.long)  # the cache holds seq[:-1], in order
+        for i, r in enumerate(rows):
+            seq = torch.tensor(state.seqs[r])
+            tokens[i, valid[i]] = torch.stack([seq[:-1], seq[1:]], dim=-1)
+        logits = denoise_block(d, state.hidden[index, :state.write], valid, tokens, anchor, noise,
+                               max(steps))[:, :k].float()
         self.passes += max(steps)
         confidence = torch.softmax(logits, -1).amax(-1) if schedule.dynamic or schedule.plan_threshold else None
         for i, r in enumerate(rows):

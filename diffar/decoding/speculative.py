@@ -76,6 +76,7 @@ class DecodeState:
     valid: torch.Tensor  # (B, slots) bool
     hidden: torch.Tensor | None  # (B, slots, d) the target's final hidden states, for drafters that read them
     write: int  # the next free slot
+    done: list[bool]  # rows that are over (eos or budget): their seqs and slots no longer change
 
     def progress(self, row: int) -> float:
         return (len(self.seqs[row]) - self.prompt_lengths[row]) / self.max_new_tokens
@@ -262,7 +263,7 @@ def speculative_generate(
         seqs=[list(p) for p in prompts], prompt_lengths=[len(p) for p in prompts], max_new_tokens=max_new_tokens,
         valid=torch.zeros(B, slots, dtype=torch.bool),
         hidden=target.tok_emb.weight.new_zeros(B, slots, target.config.d_model) if proposer.needs_hidden else None,
-        write=0)
+        write=0, done=[False] * B)
     state.valid[:, :width] = torch.arange(width) >= batch.pad.unsqueeze(1)
     h = target.hidden_states(batch.tokens, positions=batch.positions(0, width), attn_mask=batch.attn_mask(0, width),
                              cache_start=0)
@@ -271,7 +272,7 @@ def speculative_generate(
     state.write = width
     first = sample_next(target.lm_head(h[:, -1]), sampling, generator).tolist()
     out: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
+    done = state.done
     passes, drafted, accepted_total = 1, 0, 0
     block = AdaptiveBlock(k, adaptive)
 

@@ -132,6 +132,9 @@ class TextDiffuser(nn.Module):
         self.set_embeddings(self.tok_emb.weight)
         self.schedule = NoiseSchedule(cfg.schedule)
         self.warm = nn.Linear(cfg.ar.d_model, cfg.d_model, bias=False)  # warm start from the AR stream's state
+        # what the fusion reads at context position s: the AR state there plus the tokens at s and s + 1
+        # (which tokens follow which: the copy cue that prompt lookup lives on)
+        self.read_tokens = nn.Linear(2 * cfg.d_model, cfg.ar.d_model, bias=False)
         self.time_mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_model), nn.SiLU(),
                                       nn.Linear(cfg.d_model, cfg.d_model))
         self.blocks = nn.ModuleList(Block(inner) for _ in range(cfg.n_layer))
@@ -157,15 +160,18 @@ class TextDiffuser(nn.Module):
         return self.tok_emb(tokens)
 
     def forward(self, z: torch.Tensor, t: torch.Tensor, context: torch.Tensor | None = None,
-                context_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """z (N, L, d) noised block, t (N, L) per-slot times, context (N, S, d_ar) AR hidden states visible
-        where context_mask (N, S) is True (None: no fusion) -> x0 prediction (N, L, d). Every slot also starts
-        from the latest visible AR state (the one that predicted the anchor token)."""
+                context_mask: torch.Tensor | None = None, context_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """z (N, L, d) noised block, t (N, L) per-slot times -> x0 prediction (N, L, d).
+
+        context (N, S, d_ar): the AR stream's hidden states, visible where context_mask (N, S) is True (None:
+        no fusion); context_tokens (N, S, 2): the token at each context position and the one after it. Every
+        slot also starts from the latest visible AR state (the one that predicted the anchor token)."""
         N, L, _ = z.shape
         x = z + self.time_mlp(timestep_embedding(t, self.d_model).to(z.dtype))
         if context is not None:
             latest = (context_mask * torch.arange(context_mask.shape[1], device=z.device)).argmax(1)
             x = x + self.warm(context[torch.arange(N, device=z.device), latest]).unsqueeze(1)
+            context = context + self.read_tokens(self.embed(context_tokens).flatten(2))
         cos, sin = self.rope_cos[:L].expand(N, L, -1), self.rope_sin[:L].expand(N, L, -1)
         everything = torch.ones(1, 1, L, L, dtype=torch.bool, device=z.device)  # bidirectional
         mask = None if context is None else context_mask.view(N, 1, 1, -1)
@@ -251,7 +257,7 @@ class RefusionModel(nn.Module):
 
         parts = {}
         if cfg.stage == "diffusion":
-            context = context_mask = None
+            context = context_mask = context_tokens = None
         else:
             block_states = block_mask = None
             if self.ar_fusion:  # AR position q reads block slots holding tokens at positions <= q
@@ -269,8 +275,10 @@ class RefusionModel(nn.Module):
                                                  ignore_index=IGNORE_INDEX)
             context = h[rows]
             context_mask = torch.arange(T, device=z.device).unsqueeze(0) <= p.unsqueeze(1)
+            following = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # position p's is the anchor token
+            context_tokens = torch.stack([tokens, following], dim=-1)[rows]
 
-        x0_hat = d(z, t_slots, context, context_mask)[:, 1:]
+        x0_hat = d(z, t_slots, context, context_mask, context_tokens)[:, 1:]
         m = in_block[:, 1:]
         logits = d.logits(x0_hat[m]).float()  # (M, V) over the block slots holding real tokens
         truth = block[:, 1:][m]
