@@ -6,7 +6,7 @@ import torch
 from diffar.decoding.ar import Batch, generate, prefill
 from diffar.decoding.refusion import DiffusionDrafter, DraftSchedule, refusion_generate
 from diffar.decoding.sampling import SamplingConfig
-from diffar.decoding.speculative import DecodeState
+from diffar.decoding.speculative import DecodeState, speculative_generate
 from diffar.errors import DiffarError
 from diffar.models.refusion import RefusionConfig, RefusionModel
 from tests.conftest import assert_clean_error, run_cli
@@ -67,6 +67,31 @@ def test_dynamic_schedule_is_lossless_and_skips_short_prompts(model):
     assert result.tokens == plain and result.drafted > 0
     short = refusion_generate(model, PROMPTS[:3], 30, eos_id=None, schedule=dynamic, prompt_words=[3, 3, 3])
     assert short.tokens == plain and short.drafted == 0 and short.draft_passes == 0
+
+
+class Recording(DiffusionDrafter):
+    def propose(self, *args):
+        out = super().propose(*args)
+        self.log.append([d.tokens for d in out])
+        return out
+
+
+class Recomputing(Recording):
+    def _update_kv(self, state):
+        self.kv_upto = 0  # forget every cached slot
+        super()._update_kv(state)
+
+
+def test_cached_fusion_keys_equal_recomputed_ones(model):
+    """The drafter computes the fusion keys/values of each slot once; drafting from scratch each time gives
+    the same drafts (through rejections, finished rows and compactions)."""
+    eos = plain_ar(model, PROMPTS[:1], 9)[0][-1]
+    logs = []
+    for drafter in (Recording(model), Recomputing(model)):
+        drafter.log = []
+        speculative_generate(model.ar, drafter, PROMPTS, 70, k=4, eos_id=eos)
+        logs.append(drafter.log)
+    assert logs[0] == logs[1] and len(logs[0]) > 5
 
 
 def test_plan_and_infill(model):

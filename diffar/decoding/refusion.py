@@ -62,7 +62,7 @@ class DraftSchedule:
 
 
 def denoise_block(diffuser: TextDiffuser, context: torch.Tensor, context_mask: torch.Tensor,
-                  context_tokens: torch.Tensor, anchor: torch.Tensor, noise: torch.Tensor, steps: int) -> torch.Tensor:
+                  kv: dict[str, tuple], anchor: torch.Tensor, noise: torch.Tensor, steps: int) -> torch.Tensor:
     """DDIM from pure noise (N, block, d) to token logits (N, block, V); the context as in TextDiffuser.
     The anchor slot holds the token each row's block follows (N,), clean; intermediate predictions snap to
     their nearest token embedding (Diffusion-LM's clamping) before being re-noised."""
@@ -73,7 +73,7 @@ def denoise_block(diffuser: TextDiffuser, context: torch.Tensor, context_mask: t
     for t in scheduler.timesteps.tolist():
         times = torch.full((len(z), z.shape[1] + 1), t)
         times[:, 0] = 0.0
-        x0 = diffuser(torch.cat([anchor, z], dim=1), times, context, context_mask, context_tokens)[:, 1:]
+        x0 = diffuser(torch.cat([anchor, z], dim=1), times, context, context_mask, kv=kv)[:, 1:]
         logits = diffuser.logits(x0)
         if scheduler.next_time(t) > 0:
             z = scheduler.step(diffuser.embed(logits.argmax(-1)), t, z)
@@ -96,6 +96,35 @@ class DiffusionDrafter:
     def start(self, batch_size: int, max_len: int) -> None:
         self.passes, self.confidence = 0, [1.0] * batch_size
         self.noise = torch.Generator().manual_seed(0)  # drafts are reproducible; verification decides anyway
+        self.kv: dict[str, tuple] = {}  # the fusion layers' keys/values per cache slot, filled up to kv_upto
+        self.kv_upto, self.kv_compactions = 0, 0
+
+    def _update_kv(self, state: DecodeState) -> None:
+        """Compute the fusion keys/values of the slots written since the last draft (all after a compaction).
+        A valid slot's features never change: its AR state, its token and the token after it are final."""
+        if state.compactions != self.kv_compactions:
+            self.kv_upto, self.kv_compactions = 0, state.compactions
+        lo, hi = self.kv_upto, state.write
+        if hi <= lo:
+            return
+        B = len(state.seqs)
+        tokens = torch.zeros(B, hi - lo, 2, dtype=torch.long)
+        for r, seq in enumerate(state.seqs):  # the valid slots hold seq[:-1] in order
+            if state.done[r]:  # never drafts again
+                continue
+            valid = state.valid[r, lo:hi]
+            first = int(state.valid[r, :lo].sum())
+            n = int(valid.sum())
+            if n:
+                seq_t = torch.tensor(seq[first:first + n + 1])
+                tokens[r, valid] = torch.stack([seq_t[:-1], seq_t[1:]], dim=-1)
+        new = self.model.diffuser.context_kv(state.hidden[:, lo:hi], tokens)
+        for i, (k, v) in new.items():
+            if i not in self.kv:
+                shape = (B, k.shape[1], state.valid.shape[1], k.shape[3])
+                self.kv[i] = (k.new_zeros(shape), v.new_zeros(shape))
+            self.kv[i][0][:, :, lo:hi], self.kv[i][1][:, :, lo:hi] = k, v
+        self.kv_upto = hi
 
     def propose(self, state: DecodeState, k: int, sampling: SamplingConfig, generator) -> list[Draft]:
         B, schedule = len(state.seqs), self.schedule
@@ -109,12 +138,10 @@ class DiffusionDrafter:
         index = torch.tensor(rows)
         noise = torch.randn(len(rows), self.model.config.block, d.d_model, generator=self.noise).to(d.out.weight.dtype)
         anchor = torch.tensor([state.seqs[r][-1] for r in rows])
-        valid = state.valid[index, :state.write]
-        tokens = torch.zeros(len(rows), state.write, 2, dtype=torch.long)  # the cache holds seq[:-1], in order
-        for i, r in enumerate(rows):
-            seq = torch.tensor(state.seqs[r])
-            tokens[i, valid[i]] = torch.stack([seq[:-1], seq[1:]], dim=-1)
-        logits = denoise_block(d, state.hidden[index, :state.write], valid, tokens, anchor, noise,
+        self._update_kv(state)
+        w = state.write
+        kv = {i: (k[index, :, :w], v[index, :, :w]) for i, (k, v) in self.kv.items()}
+        logits = denoise_block(d, state.hidden[index, :w], state.valid[index, :w], kv, anchor, noise,
                                max(steps))[:, :k].float()
         self.passes += max(steps)
         confidence = torch.softmax(logits, -1).amax(-1) if schedule.dynamic or schedule.plan_threshold else None

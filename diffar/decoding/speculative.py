@@ -77,6 +77,7 @@ class DecodeState:
     hidden: torch.Tensor | None  # (B, slots, d) the target's final hidden states, for drafters that read them
     write: int  # the next free slot
     done: list[bool]  # rows that are over (eos or budget): their seqs and slots no longer change
+    compactions: int = 0  # slot contents move at each: caches keyed by slot must be rebuilt
 
     def progress(self, row: int) -> float:
         return (len(self.seqs[row]) - self.prompt_lengths[row]) / self.max_new_tokens
@@ -107,6 +108,7 @@ class DecodeState:
         self.valid[:, :w] = self.valid.gather(1, keep)
         self.valid[:, w:] = False
         self.write = w
+        self.compactions += 1
 
 
 class DraftModel:

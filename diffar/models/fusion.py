@@ -23,12 +23,16 @@ class CrossAttentionFusion(nn.Module):
         self.proj = nn.Linear(d_query, d_query, bias=False)
         self.gate = nn.Parameter(torch.tensor(float(gate_init)))
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x (N, T, d_query) attends to context (N, S, d_context) where mask (N, 1, T or 1, S) is True.
+    def keys_values(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """context (N, S, d_context) -> keys and values (N, H, S, d_query / H); a decoder may cache them."""
+        N, S, _ = context.shape
+        H = self.n_head
+        return self.kv(self.norm_kv(context)).view(N, S, 2, H, -1).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        """x (N, T, d_query) attends to the context's `keys_values` where mask (N, 1, T or 1, S) is True.
         Every query needs at least one visible context position."""
         N, T, C = x.shape
-        S, H = context.shape[1], self.n_head
-        q = self.q(self.norm_q(x)).view(N, T, H, C // H).transpose(1, 2)
-        k, v = self.kv(self.norm_kv(context)).view(N, S, 2, H, C // H).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        q = self.q(self.norm_q(x)).view(N, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, *kv, attn_mask=mask)
         return x + torch.tanh(self.gate) * self.proj(y.transpose(1, 2).reshape(N, T, C))

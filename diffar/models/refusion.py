@@ -159,19 +159,26 @@ class TextDiffuser(nn.Module):
         """Token ids -> points of the diffusion space."""
         return self.tok_emb(tokens)
 
+    def context_kv(self, context: torch.Tensor, context_tokens: torch.Tensor) -> dict[str, tuple]:
+        """Each fusion layer's keys and values for context (N, S, d_ar), the AR stream's hidden states, and
+        context_tokens (N, S, 2), the token at each context position and the one after it."""
+        features = context + self.read_tokens(self.embed(context_tokens).flatten(2))
+        return {i: layer.keys_values(features) for i, layer in self.fusion.items()}
+
     def forward(self, z: torch.Tensor, t: torch.Tensor, context: torch.Tensor | None = None,
-                context_mask: torch.Tensor | None = None, context_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                context_mask: torch.Tensor | None = None, context_tokens: torch.Tensor | None = None,
+                kv: dict[str, tuple] | None = None) -> torch.Tensor:
         """z (N, L, d) noised block, t (N, L) per-slot times -> x0 prediction (N, L, d).
 
-        context (N, S, d_ar): the AR stream's hidden states, visible where context_mask (N, S) is True (None:
-        no fusion); context_tokens (N, S, 2): the token at each context position and the one after it. Every
-        slot also starts from the latest visible AR state (the one that predicted the anchor token)."""
+        The fusion layers read the context (see `context_kv`; `kv` passes them precomputed) where
+        context_mask (N, S) is True; no context: no fusion. Every slot also starts from the latest visible AR
+        state (the one that predicted the anchor token)."""
         N, L, _ = z.shape
         x = z + self.time_mlp(timestep_embedding(t, self.d_model).to(z.dtype))
         if context is not None:
             latest = (context_mask * torch.arange(context_mask.shape[1], device=z.device)).argmax(1)
             x = x + self.warm(context[torch.arange(N, device=z.device), latest]).unsqueeze(1)
-            context = context + self.read_tokens(self.embed(context_tokens).flatten(2))
+            kv = kv or self.context_kv(context, context_tokens)
         cos, sin = self.rope_cos[:L].expand(N, L, -1), self.rope_sin[:L].expand(N, L, -1)
         everything = torch.ones(1, 1, L, L, dtype=torch.bool, device=z.device)  # bidirectional
         mask = None if context is None else context_mask.view(N, 1, 1, -1)
@@ -181,7 +188,7 @@ class TextDiffuser(nn.Module):
             else:
                 x = block(x, cos, sin, everything, None)
             if context is not None and str(i) in self.fusion:
-                x = self.fusion[str(i)](x, context, mask)
+                x = self.fusion[str(i)](x, kv[str(i)], mask)
         return self.out(self.norm(x))
 
     def logits(self, x0_hat: torch.Tensor) -> torch.Tensor:
@@ -231,7 +238,7 @@ class RefusionModel(nn.Module):
         if self.ar_fusion and block_states is not None:
             def fuse(i: int, x: torch.Tensor) -> torch.Tensor:
                 layer = self.ar_fusion[str(i)] if str(i) in self.ar_fusion else None
-                return x if layer is None else layer(x, block_states, block_mask)
+                return x if layer is None else layer(x, layer.keys_values(block_states), block_mask)
         return self.ar.hidden_states(tokens, fuse=fuse, **kwargs)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
