@@ -193,7 +193,8 @@ class TextDiffuser(nn.Module):
 
     def logits(self, x0_hat: torch.Tensor) -> torch.Tensor:
         """Round predicted embeddings against the table: similarity to every token's embedding."""
-        return (x0_hat @ self.tok_emb.weight.T) * self.logit_scale.exp()
+        flat = x0_hat.reshape(-1, self.d_model)  # one 2-D matmul (a strided 3-D one runs as a slow bmm)
+        return (F.linear(flat, self.tok_emb.weight) * self.logit_scale.exp()).view(*x0_hat.shape[:-1], -1)
 
 
 class RefusionModel(nn.Module):
