@@ -103,8 +103,9 @@ def cmd_train_refusion(args) -> None:
                 ar.config.to_dict() if ar else init.config.ar.to_dict()):
             raise DiffarError(f"--init {args.init} and --ar {args.ar} do not belong together "
                               f"(different tokenizer or AR stream shape)")
-    overrides = {k: getattr(args, k) for k in ("stage", "block", "anchors", "schedule", "ar_weight", "mse_weight",
+    overrides = {k: getattr(args, k) for k in ("block", "anchors", "schedule", "ar_weight", "mse_weight",
                                                "kl_weight", "grad_checkpoint") if getattr(args, k) is not None}
+    overrides["stage"] = args.stage
     overrides["freeze_ar"] = not args.train_ar
     if args.ar_fusion_layers is not None:
         overrides["ar_fusion_layers"] = tuple(args.ar_fusion_layers)
@@ -356,8 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("--ar", help="AR checkpoint to start the AR stream from (its tokenizer is used)")
     rf.add_argument("--init", help="ReFusion checkpoint (e.g. stage 1) to start both streams from")
     rf.add_argument("--preset", default="small", choices=sorted(REFUSION_PRESETS))
-    rf.add_argument("--stage", choices=["diffusion", "joint"],
-                    help="diffusion: the diffusion stream alone; joint: with fusion and the AR stream (default)")
+    rf.add_argument("--stage", choices=["diffusion", "joint"], default="joint",
+                    help="diffusion: the diffusion stream alone (stage 1); joint: with fusion and the AR stream")
     rf.add_argument("--train-ar", action="store_true", help="also train the AR stream (default: frozen)")
     rf.add_argument("--block", type=_positive_int, help="tokens drafted per block")
     rf.add_argument("--anchors", type=_positive_int, help="training blocks per sequence")

@@ -3,13 +3,14 @@
 import pytest
 import torch
 
+from diffar.checkpoint import load_checkpoint
 from diffar.decoding.ar import Batch, generate, prefill
 from diffar.decoding.refusion import DiffusionDrafter, DraftSchedule, refusion_generate
 from diffar.decoding.sampling import SamplingConfig
 from diffar.decoding.speculative import DecodeState, speculative_generate
 from diffar.errors import DiffarError
 from diffar.models.refusion import RefusionConfig, RefusionModel
-from tests.conftest import assert_clean_error, run_cli
+from tests.conftest import TINY_TRAIN, assert_clean_error, run_cli
 
 VOCAB = 16  # random drafts are then right now and then, wrong mostly: both paths of verification run
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11], [12, 13, 14, 15, 1, 2, 3, 4, 5], [4, 14, 4, 14, 4], [7] * 15,
@@ -263,6 +264,22 @@ def test_cli_generate_and_bench(tiny_refusion, tmp_path):
     for r in records:
         assert r["extra"]["tokens_per_ar_pass"] > 0 and {"bleu4", "rougeL"} <= set(r["extra"])
         assert r["extra"]["exact_match_vs_ar"] == 1.0 or r["method"] not in lossless
+
+
+def test_cli_two_stages(tiny_run, tokenizer_path, tmp_path):
+    """Stage 1 trains the diffusion stream alone; stage 2 starts from it with the AR stream and fusion."""
+    common = ("--corpus", "kjv2web", "--max-steps", "4", "--block-size", "128", *TINY_TRAIN)
+    stage1 = run_cli("train", "refusion", "--stage", "diffusion", "--tokenizer", tokenizer_path, *common,
+                     "--out", tmp_path / "s1")
+    assert stage1.returncode == 0, stage1.stderr
+    stage2 = run_cli("train", "refusion", "--ar", tiny_run, "--init", tmp_path / "s1", *common, "--out", tmp_path / "s2")
+    assert stage2.returncode == 0, stage2.stderr
+    first, _, meta1 = load_checkpoint(tmp_path / "s1")
+    second, _, meta2 = load_checkpoint(tmp_path / "s2")
+    assert (meta1["model"]["stage"], meta2["model"]["stage"]) == ("diffusion", "joint")
+    ar, _, _ = load_checkpoint(tiny_run)
+    for a, b in zip(second.ar.parameters(), ar.parameters()):
+        assert torch.equal(a, b)  # the AR stream is the given one, frozen
 
 
 def test_cli_bad_input(tiny_refusion, tiny_run, tmp_path):
