@@ -62,7 +62,8 @@ def _fit(args, model, model_cfg, kind: str, tokenizer) -> None:
     meta = {"kind": kind, "model": model_cfg.to_dict(), "task": task, "corpus": corpus, "block_size": block}
     metrics = Trainer(model, train_data, valid_data, cfg, args.out, meta, tokenizer).fit()
     if metrics:
-        print(f"done: step {metrics['step']}, val loss {metrics['val_loss']:.4f}, val ppl {metrics['val_ppl']:.2f}")
+        ppl = f", val ppl {metrics['val_ppl']:.2f}" if "val_ppl" in metrics else ""
+        print(f"done: step {metrics['step']}, val loss {metrics['val_loss']:.4f}{ppl}")
 
 
 def cmd_train(args) -> None:
@@ -119,8 +120,8 @@ def cmd_train_refusion(args) -> None:
     if init is not None:
         model.diffuser.load_state_dict(init.diffuser.state_dict())
         model.ar.load_state_dict(init.ar.state_dict())
-    if ar is not None:
-        model.init_from_ar(ar)
+    if ar is not None:  # the AR stream; the diffusion space too unless it comes trained with --init
+        model.init_from_ar(ar, embeddings=init is None)
     _fit(args, model, model_cfg, "refusion", tokenizer)
 
 
@@ -160,6 +161,8 @@ def cmd_generate(args) -> None:
     if method == "refusion" and meta["kind"] != "refusion":
         raise DiffarError(f"--method refusion needs a ReFusion checkpoint (diffar train refusion); "
                           f"{args.checkpoint} is {meta['kind']}")
+    if method != "refusion" and (args.dynamic or args.plan_infill is not None or args.steps != 1):
+        raise DiffarError("--steps, --dynamic and --plan-infill apply to --method refusion only")
     ar = ar_stream(model)
     proposer = _proposer(args, tokenizer) if method == "ar" else None
     ids = prompt_ids(tokenizer, meta["task"], text)

@@ -198,6 +198,8 @@ class TextDiffuser(nn.Module):
 
 
 class RefusionModel(nn.Module):
+    loss_is_nll = False  # the trainer logs no perplexity for a sum of CE, MSE and KL terms
+
     def __init__(self, cfg: RefusionConfig):
         super().__init__()
         self.config = cfg
@@ -217,13 +219,13 @@ class RefusionModel(nn.Module):
             self.ar.requires_grad_(False)
         self.diffuser.tok_emb.requires_grad_(False)
 
-    def init_from_ar(self, ar: Transformer) -> None:
-        """Start from a trained AR model: its weights become the AR stream, and its embedding table (when
-        the widths agree) the diffusion space."""
+    def init_from_ar(self, ar: Transformer, embeddings: bool = True) -> None:
+        """Start from a trained AR model: its weights become the AR stream, and (`embeddings`, when the widths
+        agree) its embedding table the diffusion space."""
         if ar.config.to_dict() != self.config.ar.to_dict():
             raise DiffarError("the AR checkpoint's shape does not match this ReFusion preset's AR stream")
         self.ar.load_state_dict(ar.state_dict())
-        if ar.config.d_model == self.config.d_model:
+        if embeddings and ar.config.d_model == self.config.d_model:
             self.diffuser.set_embeddings(ar.tok_emb.weight)
         self._freeze()
 

@@ -241,8 +241,10 @@ class Trainer:
                           "lr": lr_at(self.step - 1, self.cfg), "tokens_per_s": round(tok_s, 1)}
                 if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.max_steps:
                     val = self.evaluate()
-                    record.update(val_loss=round(val, 6), val_ppl=round(perplexity(val), 3))
-                    self.last_metrics = {k: record[k] for k in ("step", "val_loss", "val_ppl")}
+                    record["val_loss"] = round(val, 6)
+                    if getattr(self.model, "loss_is_nll", True):  # else exp(loss) is no perplexity
+                        record["val_ppl"] = round(perplexity(val), 3)
+                    self.last_metrics = {k: record[k] for k in ("step", "val_loss", "val_ppl") if k in record}
                 self.log(record)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}",
