@@ -68,6 +68,8 @@ def test_dynamic_schedule_is_lossless_and_skips_short_prompts(model):
     assert result.tokens == plain and result.drafted > 0
     short = refusion_generate(model, PROMPTS[:3], 30, eos_id=None, schedule=dynamic, prompt_words=[3, 3, 3])
     assert short.tokens == plain and short.drafted == 0 and short.draft_passes == 0
+    lossless = refusion_generate(model, PROMPTS[:3], 30, eos_id=None, prompt_words=[3, 3, 3])
+    assert lossless.tokens == plain and lossless.drafted > 0  # the word rule is the dynamic schedule's
 
 
 class Recording(DiffusionDrafter):
@@ -249,6 +251,7 @@ def test_cli_generate_and_bench(tiny_refusion, tmp_path):
         assert proc.stdout == ar.stdout  # lossless
     assert infill.returncode == 0 and "[refusion-infill]" in infill.stderr
     assert "[refusion]" in refusion.stderr and "diffusion passes" in refusion.stderr
+    assert "0/0 drafts accepted" not in refusion.stderr  # an 11-word prompt is still drafted for
     assert "tokens/AR pass" in refusion.stderr and "drafts accepted" in refusion.stderr
     out = tmp_path / "bench.json"
     proc = run_cli("bench", "refusion", "--checkpoint", tiny_refusion, "--draft", tiny_refusion, "--prompts", "4",

@@ -38,7 +38,7 @@ class DraftSchedule:
     late: float = 0.7  # share after which decoding is pure AR
     full_steps: int = 4
     mid_steps: int = 2  # the most steps in the middle phase (1 when the last draft was confident)
-    min_prompt_words: int = 15  # shorter prompts: AR only
+    min_prompt_words: int = 15  # dynamic: prompts of fewer words are decoded by the AR stream alone
     plan_threshold: float | None = None  # plan-and-infill: keep drafts this confident unverified (lossy)
 
     def __post_init__(self):
@@ -128,7 +128,8 @@ class DiffusionDrafter:
 
     def propose(self, state: DecodeState, k: int, sampling: SamplingConfig, generator) -> list[Draft]:
         B, schedule = len(state.seqs), self.schedule
-        steps = [0 if state.done[r] or (self.prompt_words and self.prompt_words[r] < schedule.min_prompt_words)
+        steps = [0 if state.done[r] or (schedule.dynamic and self.prompt_words
+                                        and self.prompt_words[r] < schedule.min_prompt_words)
                  else schedule.steps_for(state.progress(r), self.confidence[r]) for r in range(B)]
         rows = [r for r in range(B) if steps[r] > 0]
         out = [Draft([]) for _ in range(B)]
