@@ -54,11 +54,12 @@ def _datasets(args, tokenizer, max_seq_len: int):
 
 
 def _fit(args, model, model_cfg, kind: str, tokenizer) -> None:
+    from diffar.checkpoint import ar_stream
     from diffar.training.trainer import Trainer
 
     cfg = _train_config(args)
-    train_data, valid_data, task, corpus, block = _datasets(args, tokenizer, model_cfg.ar.max_seq_len
-                                                            if kind == "refusion" else model_cfg.max_seq_len)
+    context = ar_stream(model).config.max_seq_len
+    train_data, valid_data, task, corpus, block = _datasets(args, tokenizer, context)
     meta = {"kind": kind, "model": model_cfg.to_dict(), "task": task, "corpus": corpus, "block_size": block}
     metrics = Trainer(model, train_data, valid_data, cfg, args.out, meta, tokenizer).fit()
     if metrics:
@@ -100,8 +101,8 @@ def cmd_train_refusion(args) -> None:
         init, init_tokenizer, init_meta = load_checkpoint(args.init)
         if init_meta["kind"] != "refusion":
             raise DiffarError(f"--init {args.init} is a {init_meta['kind']} checkpoint, not a ReFusion one")
-        if init_tokenizer.sha256 != tokenizer.sha256 or init.config.ar.to_dict() != (
-                ar.config.to_dict() if ar else init.config.ar.to_dict()):
+        if init_tokenizer.sha256 != tokenizer.sha256 or (
+                ar is not None and init.config.ar.to_dict() != ar.config.to_dict()):
             raise DiffarError(f"--init {args.init} and --ar {args.ar} do not belong together "
                               f"(different tokenizer or AR stream shape)")
     overrides = {k: getattr(args, k) for k in ("block", "anchors", "schedule", "ar_weight", "mse_weight",
@@ -110,8 +111,7 @@ def cmd_train_refusion(args) -> None:
     overrides["freeze_ar"] = not args.train_ar
     if args.ar_fusion_layers is not None:
         overrides["ar_fusion_layers"] = tuple(args.ar_fusion_layers)
-    base = init.config.to_dict() if init else {}
-    model_cfg = RefusionConfig.from_dict({**base, **overrides}) if init else \
+    model_cfg = RefusionConfig.from_dict({**init.config.to_dict(), **overrides}) if init else \
         RefusionConfig.from_preset(args.preset, tokenizer.vocab_size, **overrides)
     if model_cfg.stage == "joint" and model_cfg.freeze_ar and ar is None and init is None:
         raise DiffarError("a frozen AR stream must come from a trained model: pass --ar CHECKPOINT (or --train-ar)")

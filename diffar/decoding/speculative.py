@@ -79,8 +79,11 @@ class DecodeState:
     done: list[bool]  # rows that are over (eos or budget): their seqs and slots no longer change
     compactions: int = 0  # slot contents move at each: caches keyed by slot must be rebuilt
 
+    def new_tokens(self, row: int) -> int:
+        return len(self.seqs[row]) - self.prompt_lengths[row]
+
     def progress(self, row: int) -> float:
-        return (len(self.seqs[row]) - self.prompt_lengths[row]) / self.max_new_tokens
+        return self.new_tokens(row) / self.max_new_tokens
 
     def feed(self, target: Transformer, blocks: torch.Tensor) -> torch.Tensor:
         """Run (B, n) tokens at slots [write, write+n), each row at its own positions, attending to its valid
@@ -273,7 +276,6 @@ def speculative_generate(
         state.hidden[:, :width] = h
     state.write = width
     first = sample_next(target.lm_head(h[:, -1]), sampling, generator).tolist()
-    out: list[list[int]] = [[] for _ in range(B)]
     done = state.done
     passes, drafted, accepted_total = 1, 0, 0
     block = AdaptiveBlock(k, adaptive)
@@ -283,18 +285,17 @@ def speculative_generate(
         if t == eos_id:
             done[row] = True
             return False
-        out[row].append(t)
         state.seqs[row].append(t)
         if on_token:
             on_token(row, t)
-        done[row] = len(out[row]) >= max_new_tokens
+        done[row] = state.new_tokens(row) >= max_new_tokens
         return not done[row]
 
     for row, t in enumerate(first):
         emit(row, t)
     while not all(done):
         proposals = proposer.propose(state, block.k, sampling, generator)
-        room = [max_new_tokens - len(o) - 1 for o in out]  # the target adds a token of its own
+        room = [max_new_tokens - state.new_tokens(r) - 1 for r in range(B)]  # the target adds a token of its own
         proposals = [Draft([]) if done[r] else p[:room[r]] for r, p in enumerate(proposals)]
         n = 1 + max(len(p.tokens) for p in proposals)
         if state.write + n > slots:
@@ -322,5 +323,6 @@ def speculative_generate(
         state.write += 1 + kept
         block.update(accepted_now)
         proposer.keep(state)
-    return SpeculativeResult(out, sum(map(len, prompts)), passes, proposer.passes, drafted, accepted_total,
-                             time.perf_counter() - t0)
+    out = [seq[n:] for seq, n in zip(state.seqs, state.prompt_lengths)]
+    return SpeculativeResult(out, sum(map(len, prompts)), passes,
+                             proposer.passes, drafted, accepted_total, time.perf_counter() - t0)

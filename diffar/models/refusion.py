@@ -240,8 +240,10 @@ class RefusionModel(nn.Module):
         fuse = None
         if self.ar_fusion and block_states is not None:
             def fuse(i: int, x: torch.Tensor) -> torch.Tensor:
-                layer = self.ar_fusion[str(i)] if str(i) in self.ar_fusion else None
-                return x if layer is None else layer(x, layer.keys_values(block_states), block_mask)
+                if str(i) not in self.ar_fusion:
+                    return x
+                layer = self.ar_fusion[str(i)]
+                return layer(x, layer.keys_values(block_states), block_mask)
         return self.ar.hidden_states(tokens, fuse=fuse, **kwargs)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
