@@ -20,12 +20,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
 from diffar.errors import DiffarError
+from diffar.models.dd2 import DD2Config, DD2Model
 from diffar.models.refusion import RefusionConfig, RefusionModel
 from diffar.models.transformer import Transformer, TransformerConfig
+from diffar.models.vqvae import TextVQVAE, VQVAEConfig
 from diffar.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
-MODEL_KINDS = {"ar": (TransformerConfig, Transformer), "refusion": (RefusionConfig, RefusionModel)}
+MODEL_KINDS = {"ar": (TransformerConfig, Transformer), "refusion": (RefusionConfig, RefusionModel),
+               "vqvae": (VQVAEConfig, TextVQVAE), "dd2": (DD2Config, DD2Model)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CHECKPOINT_NAME = re.compile(r"ckpt-\d{7}")
 

@@ -53,13 +53,37 @@ def _datasets(args, tokenizer, max_seq_len: int):
     return train_data, valid_data, train_corpus.task, train_corpus.name, block
 
 
-def _fit(args, model, model_cfg, kind: str, tokenizer) -> None:
-    from diffar.checkpoint import ar_stream
+def _canvas_datasets(args, tokenizer, vq_cfg, with_source: bool, examples=None, max_source: int | None = None):
+    """(train, valid, task, corpus name, canvas length) for the latent-diffusion models; `examples`
+    replaces the training pairs (distillation: the teacher's outputs)."""
+    from diffar.data.batching import CanvasDataset, canvas_examples
+    from diffar.data.corpora import load_corpus
+
+    train_corpus = load_corpus(args.corpus, "train")
+    valid_corpus = load_corpus(args.valid_corpus, "valid", whole=True) if args.valid_corpus \
+        else load_corpus(args.corpus, "valid")
+    if valid_corpus.task != train_corpus.task:
+        raise DiffarError(f"--valid-corpus is a {valid_corpus.task} corpus, --corpus a {train_corpus.task} one")
+    seq2seq = train_corpus.task == "seq2seq"
+    width = vq_cfg.width if seq2seq else (lambda n: vq_cfg.target_len)
+    datasets = []
+    for name, corpus, pairs in (("train", train_corpus, examples), ("valid", valid_corpus, None)):
+        pairs = pairs or canvas_examples(corpus, tokenizer, vq_cfg.prompt_len, vq_cfg.target_len,
+                                         stride=vq_cfg.prompt_len)
+        data = CanvasDataset(pairs, tokenizer, width, vq_cfg.max_len, eos=seq2seq, with_source=with_source,
+                             max_source=max_source)
+        if data.dropped:
+            print(f"note: {data.dropped} {name} pairs longer than the {vq_cfg.max_len}-position canvas"
+                  + (f" or the {max_source}-token source" if max_source else "") + " are left out")
+        datasets.append(data)
+    return datasets[0], datasets[1], train_corpus.task, train_corpus.name, vq_cfg.max_len
+
+
+def _fit(args, model, model_cfg, kind: str, tokenizer, datasets) -> None:
     from diffar.training.trainer import Trainer
 
     cfg = _train_config(args)
-    context = ar_stream(model).config.max_seq_len
-    train_data, valid_data, task, corpus, block = _datasets(args, tokenizer, context)
+    train_data, valid_data, task, corpus, block = datasets
     meta = {"kind": kind, "model": model_cfg.to_dict(), "task": task, "corpus": corpus, "block_size": block}
     metrics = Trainer(model, train_data, valid_data, cfg, args.out, meta, tokenizer).fit()
     if metrics:
@@ -78,7 +102,7 @@ def cmd_train(args) -> None:
     tokenizer = Tokenizer.load(args.tokenizer)
     model_cfg = TransformerConfig.from_preset(args.preset, vocab_size=tokenizer.vocab_size)
     torch.manual_seed(args.seed)
-    _fit(args, Transformer(model_cfg), model_cfg, "ar", tokenizer)
+    _fit(args, Transformer(model_cfg), model_cfg, "ar", tokenizer, _datasets(args, tokenizer, model_cfg.max_seq_len))
 
 
 def cmd_train_refusion(args) -> None:
@@ -122,7 +146,114 @@ def cmd_train_refusion(args) -> None:
         model.ar.load_state_dict(init.ar.state_dict())
     if ar is not None:  # the AR stream; the diffusion space too unless it comes trained with --init
         model.init_from_ar(ar, embeddings=init is None)
-    _fit(args, model, model_cfg, "refusion", tokenizer)
+    _fit(args, model, model_cfg, "refusion", tokenizer, _datasets(args, tokenizer, model_cfg.ar.max_seq_len))
+
+
+def cmd_train_vqvae(args) -> None:
+    import torch
+
+    from diffar.models.vqvae import TextVQVAE, VQVAEConfig
+    from diffar.tokenizer import Tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer = Tokenizer.load(args.tokenizer)
+    overrides = {k: getattr(args, k) for k in ("bottleneck", "d_latent", "codebook_size", "groups")
+                 if getattr(args, k) is not None}
+    model_cfg = VQVAEConfig.from_preset(args.preset, tokenizer.vocab_size, **overrides)
+    torch.manual_seed(args.seed)
+    _fit(args, TextVQVAE(model_cfg), model_cfg, "vqvae", tokenizer,
+         _canvas_datasets(args, tokenizer, model_cfg, with_source=False))
+
+
+def _load_kind(path: str, kind: str, flag: str):
+    """(model, tokenizer, meta) of a checkpoint that must be of `kind`."""
+    from diffar.checkpoint import load_checkpoint
+
+    model, tokenizer, meta = load_checkpoint(path)
+    if meta["kind"] != kind:
+        raise DiffarError(f"{flag} {path} is a {meta['kind']} checkpoint, not a {kind} one")
+    return model, tokenizer, meta
+
+
+def _dd2_start(args, prediction: str):
+    """The DD2 model a `train dd2` / `distill dd2` run starts from: --init (a DD2 checkpoint) and/or --vqvae
+    (the autoencoder to build on), which must belong together. Returns (model, config, tokenizer)."""
+    from diffar.models.dd2 import DD2Config, DD2Model, weights_sha256
+
+    init = vqvae = None
+    if args.init:
+        init, tokenizer, _ = _load_kind(args.init, "dd2", "--init")
+    if args.vqvae:
+        vqvae, vq_tokenizer, _ = _load_kind(args.vqvae, "vqvae", "--vqvae")
+        if init is not None and (vq_tokenizer.sha256 != tokenizer.sha256
+                                 or init.config.vqvae_sha256 != weights_sha256(vqvae)):
+            raise DiffarError(f"--init {args.init} was trained in another VQ-VAE than --vqvae {args.vqvae}; "
+                              f"they do not belong together")
+        tokenizer = vq_tokenizer
+    if init is None and vqvae is None:
+        raise DiffarError("pass --vqvae CHECKPOINT (diffar train vqvae) or --init DD2_CHECKPOINT")
+    overrides = {k: getattr(args, k) for k in ("schedule", "cond_drop", "mse_weight", "ce_weight", "bleu_weight",
+                                               "semantic_weight") if getattr(args, k, None) is not None}
+    overrides["prediction"] = prediction
+    if init is not None:
+        cfg = DD2Config.from_dict({**init.config.to_dict(), **overrides})
+    else:
+        cfg = DD2Config.from_preset(args.preset, vqvae.config, vqvae_sha256=weights_sha256(vqvae), **overrides)
+    model = DD2Model(cfg)
+    model.load_state_dict(init.state_dict()) if init is not None else model.set_vqvae(vqvae)
+    return model, cfg, tokenizer
+
+
+def _fit_dd2(args, model, cfg, tokenizer, examples=None) -> None:
+    datasets = _canvas_datasets(args, tokenizer, cfg.vqvae, with_source=True, examples=examples,
+                                max_source=cfg.max_source_len)
+    train = datasets[0]
+    cfg.eos_id = tokenizer.eos_id if datasets[2] == "seq2seq" else None
+    if not args.init:  # a fresh model: scale its latents to unit variance
+        model.calibrate(train.batch(train.eval_indices(256))["targets"])
+    print(f"latent scale {cfg.latent_scale:.4f}, prediction {cfg.prediction}")
+    _fit(args, model, cfg, "dd2", tokenizer, datasets)
+
+
+def cmd_train_dd2(args) -> None:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model, cfg, tokenizer = _dd2_start(args, "eps")
+    _fit_dd2(args, model, cfg, tokenizer)
+
+
+def cmd_distill_dd2(args) -> None:
+    import torch
+
+    from diffar.checkpoint import ar_stream, load_checkpoint
+    from diffar.data.batching import canvas_examples
+    from diffar.data.corpora import load_corpus
+    from diffar.training.distill import teacher_outputs
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model, cfg, tokenizer = _dd2_start(args, "x0")
+    teacher, teacher_tokenizer, teacher_meta = load_checkpoint(args.teacher)
+    if teacher_meta["kind"] not in ("ar", "refusion"):
+        raise DiffarError(f"--teacher {args.teacher} is a {teacher_meta['kind']} checkpoint; the teacher is an AR model")
+    if teacher_tokenizer.sha256 != tokenizer.sha256:
+        raise DiffarError(f"--teacher {args.teacher} uses another tokenizer than the DD2 model")
+    teacher = ar_stream(teacher)
+    corpus = load_corpus(args.corpus, "train")
+    vq = cfg.vqvae
+    pairs = canvas_examples(corpus, tokenizer, vq.prompt_len, vq.target_len, stride=vq.prompt_len)
+    pairs = pairs[:args.teacher_examples] if args.teacher_examples else pairs
+    seq2seq = corpus.task == "seq2seq"
+    prompts = [src + [tokenizer.sep_id] if seq2seq else src for src, _ in pairs]
+    budgets = [vq.width(len(src)) - 1 if seq2seq else vq.target_len for src, _ in pairs]
+    outputs = teacher_outputs(teacher, prompts, budgets, Path(args.out) / "teacher.jsonl", pad_id=tokenizer.pad_id,
+                              eos_id=tokenizer.eos_id if seq2seq else None, batch_size=args.teacher_batch_size)
+    _fit_dd2(args, model, cfg, tokenizer, [(src, out) for (src, _), out in zip(pairs, outputs)])
 
 
 def cmd_export(args) -> None:
@@ -155,14 +286,26 @@ def cmd_generate(args) -> None:
         raise DiffarError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.k is not None and args.k <= 0:
         raise DiffarError(f"--k must be positive, got {args.k}")
-    schedule = DraftSchedule(steps=args.steps, dynamic=args.dynamic, plan_threshold=args.plan_infill)
     model, tokenizer, meta = load_checkpoint(args.checkpoint, args.tokenizer)
-    method = args.method or ("refusion" if meta["kind"] == "refusion" else "ar")
-    if method == "refusion" and meta["kind"] != "refusion":
-        raise DiffarError(f"--method refusion needs a ReFusion checkpoint (diffar train refusion); "
-                          f"{args.checkpoint} is {meta['kind']}")
-    if method != "refusion" and (args.dynamic or args.plan_infill is not None or args.steps != 1):
-        raise DiffarError("--steps, --dynamic and --plan-infill apply to --method refusion only")
+    method = args.method or {"refusion": "refusion", "dd2": "dd2"}.get(meta["kind"], "ar")
+    for kind, label in (("refusion", "ReFusion"), ("dd2", "DD2")):
+        if method == kind and meta["kind"] != kind:
+            raise DiffarError(f"--method {kind} needs a {label} checkpoint (diffar train {kind}); {args.checkpoint} "
+                              f"is {meta['kind']}")
+    if meta["kind"] in ("vqvae", "dd2") and method != "dd2":
+        raise DiffarError(f"{args.checkpoint} is a {meta['kind']} checkpoint: it generates with --method dd2 only"
+                          if meta["kind"] == "dd2" else f"{args.checkpoint} is an autoencoder; it does not generate")
+    if method != "refusion" and (args.dynamic or args.plan_infill is not None):
+        raise DiffarError("--dynamic and --plan-infill apply to --method refusion only")
+    if method != "dd2" and (args.preset or args.guidance is not None or args.tau is not None or args.hybrid
+                            or args.adaptive_steps or args.sampler or args.tau_min is not None):
+        raise DiffarError("--preset, --guidance, --tau, --tau-min, --sampler, --adaptive-steps and --hybrid apply to "
+                          "--method dd2 only")
+    if method == "ar" and args.steps is not None:
+        raise DiffarError("--steps applies to --method refusion or dd2")
+    if method == "dd2":
+        return _generate_dd2(args, model, tokenizer, meta, text)
+    schedule = DraftSchedule(steps=1 if args.steps is None else args.steps, dynamic=args.dynamic, plan_threshold=args.plan_infill)
     ar = ar_stream(model)
     proposer = _proposer(args, tokenizer) if method == "ar" else None
     ids = prompt_ids(tokenizer, meta["task"], text)
@@ -205,6 +348,48 @@ def cmd_generate(args) -> None:
     print(f"[{label}] {n} tokens in {result.seconds:.2f} s = {n / result.seconds:.1f} tokens/s | "
           f"{passes} AR passes ({n / passes:.2f} tokens/AR pass) | prompt {len(ids)} tokens | batch 1 | {extra}",
           file=sys.stderr)
+
+
+def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
+    """Sample with DD2 (optionally hybrid with an AR model) and print the text, then the speed line."""
+    import torch
+
+    from diffar.checkpoint import ar_stream, load_checkpoint
+    from diffar.data.batching import prompt_ids
+    from diffar.decoding.dd2 import DD2Sampling, dd2_generate, hybrid_generate
+
+    if args.temperature or args.top_k or args.top_p != 1.0 or args.draft or args.prompt_lookup or args.no_cache:
+        raise DiffarError("dd2 samples with --tau (decoding temperature); --temperature, --top-k, --top-p, "
+                          "--draft, --prompt-lookup and --no-cache are AR options")
+    knobs = dict(steps=args.steps, adaptive=args.adaptive_steps or None, guidance_scale=args.guidance,
+                 tau_max=args.tau, tau_min=args.tau_min, sampler=args.sampler)
+    sampling = DD2Sampling.from_preset(args.preset, **knobs) if args.preset else \
+        DD2Sampling(**{k: v for k, v in {**knobs, "steps": 1 if args.steps is None else args.steps}.items()
+                       if v is not None})
+    ids = tokenizer.encode(text)
+    source = ids[-model.config.vqvae.prompt_len:] if meta["task"] == "continuation" else ids
+    if meta["task"] == "seq2seq" and len(ids) > model.config.max_source_len:
+        raise DiffarError(f"the source has {len(ids)} tokens; this model reads at most {model.config.max_source_len}")
+    generator = torch.Generator().manual_seed(args.seed)
+    decode = dict(sampling=sampling, eos_id=tokenizer.eos_id if meta["task"] == "seq2seq" else None,
+                  pad_id=tokenizer.pad_id, generator=generator)
+    if args.hybrid:
+        ar, ar_tokenizer, _ = load_checkpoint(args.hybrid)
+        if ar_tokenizer.sha256 != tokenizer.sha256:
+            raise DiffarError(f"--hybrid {args.hybrid} uses another tokenizer than {args.checkpoint}")
+        result = hybrid_generate(model, ar_stream(ar), [source], [prompt_ids(tokenizer, meta["task"], text)],
+                                 args.max_new_tokens, **decode)
+    else:
+        result = dd2_generate(model, [source], args.max_new_tokens, **decode)
+    if meta["task"] == "continuation" and not args.no_echo:
+        sys.stdout.write(text)
+    print(tokenizer.decode(result.tokens[0]))
+    n = result.new_tokens
+    label = "dd2-hybrid" if args.hybrid else f"dd2 {result.steps}-step {sampling.sampler}"
+    print(f"[{label}] {n} tokens in {result.seconds:.3f} s = {n / result.seconds:.1f} tokens/s | "
+          f"{result.forward_passes} forward passes ({n / result.forward_passes:.2f} tokens/pass), "
+          f"{result.decoder_passes} decoder passes | guidance {sampling.guidance_scale}, tau {sampling.tau_max} | "
+          f"prompt {len(source)} tokens | batch 1", file=sys.stderr)
 
 
 def _proposer(args, tokenizer):
@@ -287,6 +472,15 @@ def cmd_loadtest(args) -> None:
         Path(args.out).write_text(json.dumps(results_json(results), indent=2) + "\n")
 
 
+def cmd_bench_dd2(args) -> None:
+    from diffar.evaluation.bench import bench_dd2, print_table, write_records
+
+    records = bench_dd2(args.checkpoint, args.ar, args.corpus, args.prompts, args.new_tokens, args.batch_sizes,
+                        args.methods, args.seed)
+    print_table(records)
+    write_records(records, args.out)
+
+
 def cmd_bench_lossless(args) -> None:
     from diffar.evaluation.bench import bench_lossless, print_table, write_records
 
@@ -317,6 +511,16 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
                        help=f"(default {f.default})")
 
 
+def _add_dd2_flags(p: argparse.ArgumentParser, corpora: str) -> None:
+    p.add_argument("--corpus", required=True, help=corpora)
+    p.add_argument("--valid-corpus", help="validation data (default: the corpus's valid split)")
+    p.add_argument("--schedule", choices=["linear", "cosine", "learned"], help="noise schedule (default cosine)")
+    p.add_argument("--cond-drop", type=float, help="share of examples trained without their source (CFG; 0.1)")
+    p.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl)")
+    p.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    _add_train_flags(p)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (and exit status 2) like every other diffar error."""
 
@@ -328,6 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
     from diffar.data.corpora import EMBEDDED
     from diffar.models.refusion import PRESETS as REFUSION_PRESETS
     from diffar.models.transformer import PRESETS
+    from diffar.models.dd2 import PRESETS as DD2_PRESETS
+    from diffar.models.vqvae import PRESETS as VQVAE_PRESETS
 
     parser = _Parser(prog="diffar", description="Fast text generation: diffusion fused with AR.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -378,6 +584,43 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_flags(rf)
     rf.set_defaults(func=cmd_train_refusion)
 
+    vq = tr_sub.add_parser("vqvae", help="DD2 stage 1: the text autoencoder (VQ-VAE) the diffusion runs in")
+    vq.add_argument("--corpus", required=True, help=corpora)
+    vq.add_argument("--valid-corpus", help="validation data (default: the corpus's valid split)")
+    vq.add_argument("--preset", default="small", choices=sorted(VQVAE_PRESETS))
+    vq.add_argument("--bottleneck", choices=["vq", "kl"], help="vector-quantised (default) or KL-continuous")
+    vq.add_argument("--d-latent", type=_positive_int, help="latent width (default 256)")
+    vq.add_argument("--codebook-size", type=_positive_int, help="codes per group")
+    vq.add_argument("--groups", type=_positive_int, help="product-quantisation groups per latent")
+    vq.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER))
+    vq.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl)")
+    vq.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    _add_train_flags(vq)
+    vq.set_defaults(func=cmd_train_vqvae)
+
+    dd = tr_sub.add_parser("dd2", help="DD2 stage 2: an eps-predicting diffusion model in a VQ-VAE's latent space")
+    dd.add_argument("--vqvae", help="the trained autoencoder (diffar train vqvae); its tokenizer is used")
+    dd.add_argument("--init", help="a DD2 checkpoint to continue from (must be built on --vqvae, if given)")
+    dd.add_argument("--preset", default="small", choices=sorted(DD2_PRESETS))
+    _add_dd2_flags(dd, corpora)
+    dd.set_defaults(func=cmd_train_dd2)
+
+    di = sub.add_parser("distill", help="distil an AR teacher into a fast student")
+    di_sub = di.add_subparsers(dest="model_kind", required=True, metavar="MODEL")
+    dd = di_sub.add_parser("dd2", help="a one-step DD2 generator (x0 prediction) trained on the teacher's outputs")
+    dd.add_argument("--teacher", required=True, help="the AR checkpoint whose greedy outputs are the targets")
+    dd.add_argument("--vqvae", help="the autoencoder to build on (without --init)")
+    dd.add_argument("--init", help="a DD2 checkpoint to start from, e.g. the stage-2 eps model")
+    dd.add_argument("--preset", default="small", choices=sorted(DD2_PRESETS))
+    dd.add_argument("--teacher-examples", type=_positive_int, help="distil on the first N training examples")
+    dd.add_argument("--teacher-batch-size", type=_positive_int, default=32)
+    dd.add_argument("--mse-weight", type=float, help="latent MSE (default 1)")
+    dd.add_argument("--ce-weight", type=float, help="token cross-entropy through the decoder (default 1)")
+    dd.add_argument("--bleu-weight", type=float, help="minimum-risk expected-BLEU loss (default 0)")
+    dd.add_argument("--semantic-weight", type=float, help="1 - cosine of mean embeddings (default 0)")
+    _add_dd2_flags(dd, corpora)
+    dd.set_defaults(func=cmd_distill_dd2)
+
     ex = sub.add_parser("export", help="write a run's latest checkpoint as a compact folder (no optimizer state)")
     ex.add_argument("--checkpoint", required=True, help="run or checkpoint folder")
     ex.add_argument("--out", required=True)
@@ -398,8 +641,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", help="speculative decoding: a small AR checkpoint (same tokenizer) drafts tokens")
     g.add_argument("--prompt-lookup", action="store_true", help="speculative decoding: draft by copying n-grams")
     g.add_argument("--k", type=int, help="drafts verified per AR pass (default 8; refusion: the model's block)")
-    g.add_argument("--method", choices=["ar", "refusion"], help="default: refusion for ReFusion checkpoints")
-    g.add_argument("--steps", type=int, default=1, help="refusion: denoising steps per draft")
+    g.add_argument("--method", choices=["ar", "refusion", "dd2"], help="default: the checkpoint's own kind")
+    g.add_argument("--steps", type=int, help="refusion: denoising steps per draft; dd2: sampling steps (default 1)")
+    g.add_argument("--adaptive-steps", action="store_true", help="dd2: min(100, 50 + length // 10) steps")
+    g.add_argument("--preset", choices=["speed", "quality"], help="dd2: the seed's sampling presets")
+    g.add_argument("--guidance", type=float, help="dd2: classifier-free guidance scale (1 = conditional only)")
+    g.add_argument("--tau", type=float, help="dd2: decoding temperature tau_max (0 = argmax)")
+    g.add_argument("--tau-min", type=float, help="dd2: the temperature floor tau_min")
+    g.add_argument("--sampler", choices=["ddim", "ddpm"], help="dd2: the scheduler (default ddim)")
+    g.add_argument("--hybrid", metavar="AR_CHECKPOINT",
+                   help="dd2: one step for the first 50 tokens, then this AR model continues with its KV cache")
     g.add_argument("--dynamic", action="store_true", help="refusion: the seed's dynamic schedule")
     g.add_argument("--plan-infill", type=float, metavar="THRESHOLD",
                    help="refusion: keep drafts at least this confident unverified (faster, not lossless)")
@@ -442,6 +693,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--k", type=int, default=8, help="draft length (block size)")
         p.add_argument("--out", required=True, help="JSON file to write")
         p.set_defaults(func=cmd_bench_lossless)
+
+    bdd = b_sub.add_parser("dd2", help="DD2 one-step / few-step / hybrid sampling against AR")
+    bdd.add_argument("--checkpoint", default="checkpoints/dd2-kjv2web", help="a DD2 checkpoint")
+    bdd.add_argument("--ar", default="checkpoints/ar-kjv2web", help="the AR baseline (and hybrid's continuer)")
+    bdd.add_argument("--methods", nargs="+", default=["ar", "dd2-1", "dd2-30", "dd2-50", "dd2-100", "dd2-hybrid"],
+                     help="ar, dd2-N (N DDIM steps), dd2-adaptive, dd2-hybrid, dd2-speed, dd2-quality")
+    bdd.add_argument("--corpus", help="prompts from this corpus's test split (default: the checkpoint's corpus)")
+    bdd.add_argument("--prompts", type=_positive_int, default=128)
+    bdd.add_argument("--new-tokens", type=_positive_int, default=256, help="continuation: tokens per prompt")
+    bdd.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1, 16])
+    bdd.add_argument("--seed", type=int, default=0)
+    bdd.add_argument("--out", required=True, help="JSON file to write")
+    bdd.set_defaults(func=cmd_bench_dd2)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with dynamic batching and streaming")
     sv.add_argument("--checkpoint", required=True)

@@ -95,3 +95,67 @@ def prompt_ids(tokenizer: Tokenizer, task: str, text: str) -> list[int]:
     """The token ids a model of `task` is prompted with: the source plus <sep> for seq2seq."""
     ids = tokenizer.encode(text)
     return ids + [tokenizer.sep_id] if task == "seq2seq" else ids
+
+
+class CanvasDataset:
+    """(source, canvas) pairs for the latent-diffusion models: the canvas is the target, <eos>, then <pad>
+    up to `width(len(source))` (at least the target plus <eos>); a batch's canvases share the widest row's
+    width. Continuation pairs (a prompt window and the window after it) get no <eos>: `eos=False`. Pairs whose
+    canvas exceeds `max_len` or whose source exceeds `max_source` are left out (`dropped` counts them).
+
+    Batches: {"source": (B, S) right-padded, "source_mask": (B, S) True at real tokens, "targets": (B, N)};
+    with `with_source=False` only "targets" (the autoencoder's input)."""
+
+    def __init__(self, examples: list[tuple[list[int], list[int]]], tokenizer: Tokenizer, width, max_len: int,
+                 eos: bool = True, with_source: bool = True, max_source: int | None = None):
+        self.pad_id, self.with_source = tokenizer.pad_id, with_source
+        self.sources, self.canvases = [], []
+        for src, tgt in examples:
+            canvas = tgt + [tokenizer.eos_id] if eos else list(tgt)
+            canvas += [self.pad_id] * (width(len(src)) - len(canvas))
+            if src and len(canvas) <= max_len and len(src) <= (max_source or len(src)):
+                self.sources.append(src)
+                self.canvases.append(canvas)
+        if not self.canvases:
+            raise DiffarError(f"no example fits in a canvas of {max_len} positions")
+        self.dropped = len(examples) - len(self.canvases)
+        self.by_length = sorted(range(len(self)), key=lambda i: (len(self.canvases[i]), len(self.sources[i])))
+
+    def __len__(self) -> int:
+        return len(self.canvases)
+
+    sample_indices = PairDataset.sample_indices
+
+    def eval_indices(self, max_examples: int) -> list[int]:
+        return list(range(len(self)))[:max_examples]
+
+    def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        width = max(len(self.canvases[i]) for i in indices)
+        targets = torch.tensor([self.canvases[i] + [self.pad_id] * (width - len(self.canvases[i]))
+                                for i in indices])
+        if not self.with_source:
+            return {"targets": targets}
+        source, source_mask = pad_right([self.sources[i] for i in indices], self.pad_id)
+        return {"source": source, "source_mask": source_mask, "targets": targets}
+
+
+def pad_right(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows -> (B, longest) ids right-padded with pad_id, and the mask of real tokens."""
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows])
+    mask = torch.arange(width).unsqueeze(0) < torch.tensor([len(r) for r in rows]).unsqueeze(1)
+    return ids, mask
+
+
+def canvas_examples(corpus: Corpus, tokenizer: Tokenizer, prompt_len: int, target_len: int,
+                    stride: int) -> list[tuple[list[int], list[int]]]:
+    """(source, target) token pairs: a seq2seq corpus's pairs, or for continuation every `stride` tokens a
+    window of `prompt_len` prompt tokens and the `target_len` tokens after it."""
+    if corpus.task == "seq2seq":
+        return list(zip(tokenizer.encode_batch([p.source for p in corpus.pairs]),
+                        tokenizer.encode_batch([p.target for p in corpus.pairs])))
+    pairs = []
+    for ids in tokenizer.encode_batch(corpus.documents):
+        for i in range(0, len(ids) - prompt_len - target_len + 1, stride):
+            pairs.append((ids[i:i + prompt_len], ids[i + prompt_len:i + prompt_len + target_len]))
+    return pairs

@@ -66,7 +66,7 @@ def denoise_block(diffuser: TextDiffuser, context: torch.Tensor, context_mask: t
     """DDIM from pure noise (N, block, d) to token logits (N, block, V); the context as in TextDiffuser.
     The anchor slot holds the token each row's block follows (N,), clean; intermediate predictions snap to
     their nearest token embedding (Diffusion-LM's clamping) before being re-noised."""
-    scheduler = DDIMScheduler(diffuser.schedule)
+    scheduler = DDIMScheduler(diffuser.schedule, prediction="x0")
     scheduler.set_timesteps(steps)
     anchor = diffuser.embed(anchor).unsqueeze(1)
     z = noise

@@ -13,11 +13,12 @@ from diffar.checkpoint import ar_stream, load_checkpoint, load_draft
 from diffar.data.batching import prompt_ids
 from diffar.data.corpora import load_corpus
 from diffar.decoding.ar import generate
+from diffar.decoding.dd2 import DD2Sampling, dd2_generate, hybrid_generate
 from diffar.decoding.refusion import DraftSchedule, refusion_generate
 from diffar.decoding.speculative import DraftModel, PromptLookup, speculative_generate
 from diffar.errors import DiffarError
 from diffar.evaluation.hardware import cpu_name
-from diffar.evaluation.metrics import text_metrics
+from diffar.evaluation.metrics import conditional_perplexity, text_metrics
 
 
 @dataclass
@@ -145,6 +146,93 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
                        "draft_acceptance": round(accepted / drafted, 3) if drafted else None,
                        "exact_match_vs_ar": sum(a == b for a, b in zip(outs, reference_outputs)) / len(outs),
                        "bleu4": quality["bleu4"], "rougeL": quality["rougeL"]}))
+    return records
+
+
+DD2_METHODS = {  # name -> sampling (None: plain AR); dd2-hybrid: one step for 50 tokens, then AR; and dd2-N
+    "ar": None, "dd2-adaptive": DD2Sampling(adaptive=True), "dd2-hybrid": DD2Sampling(steps=1),
+    "dd2-speed": DD2Sampling.from_preset("speed"), "dd2-quality": DD2Sampling.from_preset("quality"),
+}
+
+
+def dd2_method(name: str) -> DD2Sampling | None:
+    """The sampling a bench method name stands for: one of DD2_METHODS or dd2-N (N DDIM steps)."""
+    if name in DD2_METHODS:
+        return DD2_METHODS[name]
+    steps = name.removeprefix("dd2-")
+    if name.startswith("dd2-") and steps.isdigit() and int(steps) > 0:
+        return DD2Sampling(steps=int(steps))
+    raise DiffarError(f"unknown method {name!r}; choose dd2-N (N sampling steps) or {', '.join(DD2_METHODS)}")
+
+
+def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_prompts: int, new_tokens: int,
+              batch_sizes: list[int], methods: list[str], seed: int = 0) -> list[BenchRecord]:
+    """Greedy AR (KV cache) against DD2 sampling with 1/30/50/100 steps, the seed's presets and hybrid
+    sampling, on the same prompts in the same batches. seq2seq: the test sources, AR stops at eos (at most
+    2x the longest source + 16 tokens), DD2 fills its canvas; continuation: exactly `new_tokens` per row from
+    AR, the canvas (`target_len`) from DD2 (or `new_tokens`, if fewer). Quality: BLEU-4, chrF and ROUGE-L
+    against the references, and for continuation the AR model's perplexity of each method's output."""
+    model, tokenizer, meta = load_checkpoint(checkpoint)
+    if meta["kind"] != "dd2":
+        raise DiffarError(f"{checkpoint} is a {meta['kind']} checkpoint; bench dd2 needs a DD2 one")
+    ar, ar_tokenizer, _ = load_checkpoint(ar_checkpoint)
+    ar = ar_stream(ar)
+    if ar_tokenizer.sha256 != tokenizer.sha256:
+        raise DiffarError(f"--ar {ar_checkpoint} uses another tokenizer than {checkpoint}")
+    samplings = {method: dd2_method(method) for method in methods}
+    corpus = load_corpus(corpus_name or meta["corpus"], "test")
+    if corpus.task != meta["task"]:
+        raise DiffarError(f"{corpus.name} is a {corpus.task} corpus but the checkpoint was trained for {meta['task']}")
+    texts, references = _prompts(corpus, n_prompts)
+    if not texts:
+        raise DiffarError(f"{corpus.name} gives no test prompts")
+    seq2seq = corpus.task == "seq2seq"
+    eos = tokenizer.eos_id if seq2seq else None
+    prompts = [prompt_ids(tokenizer, meta["task"], t) for t in texts]
+    fits = [not seq2seq or len(p) - 1 <= model.config.max_source_len for p in prompts]
+    if not all(fits):  # sources longer than the denoiser reads are left out for every method alike
+        print(f"note: {fits.count(False)} test sources longer than {model.config.max_source_len} tokens left out")
+        prompts, references = [p for p, ok in zip(prompts, fits) if ok], [r for r, ok in zip(references, fits) if ok]
+        if not prompts:
+            raise DiffarError(f"no test source of {corpus.name} fits the model's {model.config.max_source_len} tokens")
+    sources = [p[:-1] if seq2seq else p[-model.config.vqvae.prompt_len:] for p in prompts]
+    records = []
+    for bs in batch_sizes:
+        batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
+        for method in methods:
+            sampling = samplings[method]
+            generator = torch.Generator().manual_seed(seed)
+
+            def run(rows, n):
+                if sampling is None:
+                    return generate(ar, [prompts[i] for i in rows], n, pad_id=tokenizer.pad_id, eos_id=eos)
+                decode = dict(sampling=sampling, eos_id=eos, pad_id=tokenizer.pad_id, generator=generator)
+                if method == "dd2-hybrid":
+                    return hybrid_generate(model, ar, [sources[i] for i in rows], [prompts[i] for i in rows], n,
+                                           **decode)
+                return dd2_generate(model, [sources[i] for i in rows], n, **decode)
+
+            run(batches[0], 8)  # warm-up
+            outs, seconds, passes, steps = [], 0.0, 0, []
+            for rows in batches:
+                budget = min(2 * max(len(prompts[i]) for i in rows) + 16, new_tokens) if seq2seq else new_tokens
+                r = run(rows, budget)
+                outs += r.tokens
+                seconds, passes = seconds + r.seconds, passes + r.forward_passes
+                steps.append(getattr(r, "steps", None))
+            new = sum(map(len, outs))
+            quality = text_metrics([tokenizer.decode(o).strip() for o in outs], references)
+            extra = {"prompts": len(prompts), "steps": steps[0] if len(set(steps)) == 1 else "adaptive",
+                     "guidance_scale": sampling.guidance_scale if sampling else None,
+                     "tau_max": sampling.tau_max if sampling else None, **quality}
+            if not seq2seq:
+                extra["ar_perplexity"] = round(conditional_perplexity(ar, [prompts[i] for i in range(len(outs))],
+                                                                      outs), 2)
+            records.append(BenchRecord(
+                method=method, task=Path(corpus.name).name, batch_size=bs,
+                prompt_tokens=round(sum(map(len, prompts)) / len(prompts)), new_tokens=round(new / len(prompts)),
+                latency_ms=round(1000 * seconds / len(batches), 1), tokens_per_s=round(new / seconds, 1),
+                forward_passes=round(passes / len(batches)), extra=extra))
     return records
 
 

@@ -1,5 +1,7 @@
 """`diffar eval`: quality of a checkpoint on a corpus split.
 
+VQ-VAE: reconstruction of the split's canvases (token accuracy, exact-sequence rate, code usage).
+
 seq2seq: greedy generation for every source, scored with BLEU-4, chrF and ROUGE-L against the
 references, next to the copy-the-source baseline; plus teacher-forced perplexity of the references.
 continuation: perplexity of the split.
@@ -13,12 +15,13 @@ import time
 import torch
 
 from diffar.checkpoint import ar_stream, load_checkpoint
-from diffar.data.batching import build_dataset, prompt_ids
+from diffar.data.batching import CanvasDataset, build_dataset, canvas_examples, prompt_ids
 from diffar.data.corpora import EMBEDDED, load_corpus
 from diffar.decoding.ar import generate
 from diffar.errors import DiffarError
 from diffar.evaluation.hardware import cpu_name
 from diffar.evaluation.metrics import mean_nll, perplexity, text_metrics
+from diffar.models.vqvae import TextVQVAE
 
 
 @torch.inference_mode()
@@ -42,18 +45,52 @@ def translate(model, tokenizer, sources: list[str], batch_size: int) -> tuple[li
     return outputs, seconds, new_tokens
 
 
+@torch.inference_mode()
+def reconstruction(vqvae: TextVQVAE, tokenizer, corpus, limit: int | None, batch_size: int) -> dict:
+    """How well the autoencoder gives back the split's canvases: token accuracy over the text and its <eos>
+    (and over every position, pads included), the share of canvases rebuilt exactly, and code usage."""
+    cfg = vqvae.config
+    seq2seq = corpus.task == "seq2seq"
+    pairs = canvas_examples(corpus, tokenizer, cfg.prompt_len, cfg.target_len, stride=cfg.target_len)
+    data = CanvasDataset(pairs[:limit] if limit else pairs, tokenizer,
+                         cfg.width if seq2seq else (lambda n: cfg.target_len), cfg.max_len, eos=seq2seq,
+                         with_source=False)
+    text_right = text_total = all_right = all_total = exact = 0
+    codes = []
+    for start in range(0, len(data), batch_size):
+        targets = data.batch(list(range(start, min(start + batch_size, len(data)))))["targets"]
+        z, code, _ = vqvae.quantize(targets)
+        right = vqvae.decode(z).argmax(-1) == targets
+        text = targets != tokenizer.pad_id
+        text_right, text_total = text_right + int((right & text).sum()), text_total + int(text.sum())
+        all_right, all_total = all_right + int(right.sum()), all_total + right.numel()
+        exact += int((right | ~text).all(1).sum())
+        if code is not None:
+            codes.append(code.flatten(0, 1))
+    report = {"canvases": len(data), "token_accuracy": round(text_right / text_total, 5),
+              "token_accuracy_with_pads": round(all_right / all_total, 5),
+              "exact_sequence_rate": round(exact / len(data), 4)}
+    if codes:
+        report["code_usage"] = round(vqvae.bottleneck.usage(torch.cat(codes)), 4)
+    return report
+
+
 def evaluate_checkpoint(checkpoint: str, corpus_name: str | None, split: str, limit: int | None,
                         batch_size: int) -> dict:
     model, tokenizer, meta = load_checkpoint(checkpoint)
-    model = ar_stream(model)  # a ReFusion model's text is its AR stream's (lossless decoding)
     corpus = load_corpus(corpus_name or meta["corpus"], split)
-    if split == "test" and corpus.name == meta["corpus"] and corpus.name not in EMBEDDED:
-        raise DiffarError(f"{corpus.name} is the training data itself: evaluate its held-out part with "
-                          f"--split valid, or pass a separate test file with --corpus")
     if corpus.task != meta["task"]:
         raise DiffarError(f"{corpus.name} is a {corpus.task} corpus but the checkpoint was trained for {meta['task']}")
     report = {"checkpoint": str(checkpoint), "corpus": corpus.name, "split": split, "task": corpus.task,
               "device": cpu_name(), "torch_threads": torch.get_num_threads()}
+    if meta["kind"] == "vqvae":
+        return {**report, **reconstruction(model, tokenizer, corpus, limit, batch_size)}
+    if meta["kind"] == "dd2":
+        raise DiffarError("a DD2 checkpoint is measured with `diffar bench dd2` (quality and speed side by side)")
+    model = ar_stream(model)  # a ReFusion model's text is its AR stream's (lossless decoding)
+    if split == "test" and corpus.name == meta["corpus"] and corpus.name not in EMBEDDED:
+        raise DiffarError(f"{corpus.name} is the training data itself: evaluate its held-out part with "
+                          f"--split valid, or pass a separate test file with --corpus")
     if corpus.task == "seq2seq":
         pairs = corpus.pairs[:limit] if limit else corpus.pairs
         sources, references = [p.source for p in pairs], [p.target for p in pairs]

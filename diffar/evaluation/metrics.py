@@ -51,3 +51,18 @@ def mean_nll(model, dataset, batch_size: int, max_examples: int | None = None,
         _, loss = model(**batch)
         total, count = total + float(loss) * n, count + n
     return total / count
+
+
+@torch.no_grad()
+def conditional_perplexity(model, prompts: list[list[int]], outputs: list[list[int]]) -> float:
+    """Perplexity of each output given its prompt under an AR model, token-weighted over all rows."""
+    total, count = 0.0, 0
+    for prompt, out in zip(prompts, outputs):
+        if not out:
+            continue
+        seq = torch.tensor([prompt + out])
+        logits, _ = model(seq[:, :-1])
+        nll = torch.nn.functional.cross_entropy(logits[0, len(prompt) - 1:].float(), seq[0, len(prompt):],
+                                                reduction="sum")
+        total, count = total + float(nll), count + len(out)
+    return perplexity(total / max(1, count))

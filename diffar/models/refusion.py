@@ -30,6 +30,7 @@ from diffar.data.batching import IGNORE_INDEX
 from diffar.diffusion.schedules import KINDS, NoiseSchedule
 from diffar.errors import DiffarError
 from diffar.models.fusion import CrossAttentionFusion
+from diffar.models.time_embedding import timestep_embedding
 from diffar.models.transformer import Block, RMSNorm, Transformer, TransformerConfig, rope_tables
 
 PRESETS: dict[str, dict] = {
@@ -108,13 +109,6 @@ class RefusionConfig:
         """The diffusion stream's transformer shape (its 'sequence' is one block plus the anchor slot)."""
         return TransformerConfig(vocab_size=self.ar.vocab_size, n_layer=self.n_layer, n_head=self.n_head,
                                  d_model=self.d_model, max_seq_len=self.block + 1, norm_eps=self.ar.norm_eps)
-
-
-def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sinusoidal features of t in [0, 1] (..., dim), as DDPM's time embedding (on t * 1000)."""
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(dim // 2, device=t.device) / (dim // 2))
-    angles = (1000.0 * t.float()).unsqueeze(-1) * freqs
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
 class TextDiffuser(nn.Module):

@@ -131,6 +131,34 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
+class BidirectionalStack(nn.Module):
+    """Transformer blocks where every position sees every other (RoPE positions, final RMSNorm)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.max_len = cfg.max_seq_len
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, d); key_mask (B, T) True = may be attended to (default: all); positions (T,) for RoPE
+        (default 0..T-1)."""
+        B, T, _ = x.shape
+        positions = torch.arange(T, device=x.device) if positions is None else positions
+        if int(positions.max()) >= self.max_len:
+            raise DiffarError(f"sequence of {int(positions.max()) + 1} positions exceeds the model's {self.max_len}")
+        cos, sin = self.rope_cos[positions].expand(B, T, -1), self.rope_sin[positions].expand(B, T, -1)
+        mask = torch.ones(1, 1, T, T, dtype=torch.bool, device=x.device) if key_mask is None \
+            else key_mask.view(B, 1, 1, T)
+        for block in self.blocks:
+            x = block(x, cos, sin, mask, None)
+        return self.norm(x)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()

@@ -1,0 +1,165 @@
+"""DD2 sampling: noise -> (1..N denoising steps) -> clean latent canvas -> every token in one decoder pass.
+
+`dd2_generate` runs a scheduler (DDIM or DDPM, diffusion/scheduler.py) over the latent canvas of each
+source, with classifier-free guidance, then reads the tokens out of the last z0 prediction. Tokens read out of
+a prediction made at time t use the seed's dynamic temperature
+    tau(t) = max(tau_min, tau_max * (1 - t))          (t in [0, 1]; tau 0 = argmax)
+so a one-step sample (t = 1) decodes at tau_min and many-step samples end near tau_max.
+
+Sampling policies from the seed (section 5.2 and 6): presets `speed` (30 steps, tau 0.7, guidance 1.5) and
+`quality` (100 steps, tau 0.3, guidance 2.0); adaptive steps min(100, 50 + length // 10); and hybrid
+sampling for long outputs: one step for the first (up to) 50 tokens, then an AR model continues that prefix
+with its KV cache (`hybrid_generate`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from diffar.data.batching import pad_right
+from diffar.decoding.ar import generate
+from diffar.diffusion.scheduler import SCHEDULERS
+from diffar.errors import DiffarError
+from diffar.models.dd2 import DD2Model
+from diffar.models.transformer import Transformer
+
+PRESETS: dict[str, dict] = {
+    "speed": dict(steps=30, tau_max=0.7, guidance_scale=1.5),
+    "quality": dict(steps=100, tau_max=0.3, guidance_scale=2.0),
+}
+
+
+@dataclass(frozen=True)
+class DD2Sampling:
+    steps: int = 1
+    adaptive: bool = False  # steps by canvas length instead: min(100, 50 + length // 10)
+    sampler: str = "ddim"
+    guidance_scale: float = 1.0  # 1: conditional only
+    tau_max: float = 0.0
+    tau_min: float = 0.0
+
+    def __post_init__(self):
+        if self.steps <= 0:
+            raise DiffarError(f"the number of denoising steps must be positive, got {self.steps}")
+        if self.sampler not in SCHEDULERS:
+            raise DiffarError(f"unknown sampler {self.sampler!r}; choose one of {', '.join(SCHEDULERS)}")
+        if not self.guidance_scale >= 0:
+            raise DiffarError(f"guidance scale must be >= 0, got {self.guidance_scale}")
+        if not (self.tau_max >= 0 and self.tau_min >= 0):
+            raise DiffarError("decoding temperatures must be >= 0")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> DD2Sampling:
+        if name not in PRESETS:
+            raise DiffarError(f"unknown sampling preset {name!r}; choose one of {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}})
+
+    def steps_for(self, length: int) -> int:
+        return adaptive_steps(length) if self.adaptive else self.steps
+
+    def tau(self, t: float) -> float:
+        return max(self.tau_min, self.tau_max * (1 - t))
+
+
+def adaptive_steps(length: int) -> int:
+    """The seed's step count for a canvas of `length` tokens (section 6)."""
+    return min(100, 50 + length // 10)
+
+
+@dataclass
+class DD2Result:
+    tokens: list[list[int]]  # per row, up to (not including) <eos>
+    seconds: float
+    steps: int
+    forward_passes: int  # denoiser passes (a guided step is one pass over a doubled batch)
+    decoder_passes: int
+    prompt_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(map(len, self.tokens))
+
+
+def read_tokens(logits: torch.Tensor, tau: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Token ids from decoder logits (B, N, V) at temperature tau (0: argmax)."""
+    if tau == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / tau, dim=-1)
+    return torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(probs.shape[:-1])
+
+
+@torch.inference_mode()
+def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sampling: DD2Sampling = DD2Sampling(),
+                 eos_id: int | None = None, pad_id: int = 0, generator: torch.Generator | None = None,
+                 on_step: Callable[[int, list[list[int]]], None] | None = None) -> DD2Result:
+    """Sample a canvas per source and return its text, at most `max_new` tokens per row.
+
+    seq2seq models (config.eos_id set) size each canvas by the source (`VQVAEConfig.width`) and end each row
+    at its first <eos>; continuation models fill `target_len` positions. `on_step(i, rows)` sees the tokens
+    read out after denoising step i (for streaming snapshots)."""
+    if max_new <= 0:
+        raise DiffarError(f"max_new must be positive, got {max_new}")
+    if not sources or any(not s for s in sources):
+        raise DiffarError("every source needs at least one token")
+    cfg = model.config
+    vq = cfg.vqvae
+    t0 = time.perf_counter()
+    device = next(model.parameters()).device
+    source, mask = pad_right(sources, pad_id)
+    source, mask = source.to(device), mask.to(device)
+    width = max(vq.width(len(s)) for s in sources) if cfg.eos_id is not None else vq.target_len
+    steps = sampling.steps_for(width)
+    scheduler = SCHEDULERS[sampling.sampler](model.schedule, prediction=cfg.prediction)
+    scheduler.set_timesteps(steps)
+    dtype = next(model.denoiser.parameters()).dtype
+    z = torch.randn(len(sources), width, vq.d_latent, generator=generator).to(device, dtype)
+    passes = decoder_passes = 0
+    for i, t in enumerate(scheduler.timesteps.tolist()):
+        out = model.predict(z, torch.full((len(z),), t, device=device), source, mask, sampling.guidance_scale)
+        passes += 1
+        if on_step is not None and scheduler.next_time(t) > 0:
+            on_step(i, _rows(read_tokens(model.decode(scheduler.x0_hat(out, t, z)), sampling.tau(t), generator),
+                             eos_id, max_new))
+            decoder_passes += 1
+        last_t = t
+        z = scheduler.step(out, t, z, generator)
+    tokens = _rows(read_tokens(model.decode(z), sampling.tau(last_t), generator), eos_id, max_new)
+    decoder_passes += 1
+    if on_step is not None:
+        on_step(steps - 1, tokens)
+    return DD2Result(tokens, time.perf_counter() - t0, steps, passes, decoder_passes, list(map(len, sources)))
+
+
+def _rows(ids: torch.Tensor, eos_id: int | None, max_new: int) -> list[list[int]]:
+    rows = []
+    for row in ids.tolist():
+        if eos_id is not None and eos_id in row:
+            row = row[:row.index(eos_id)]
+        rows.append(row[:max_new])
+    return rows
+
+
+def hybrid_generate(model: DD2Model, ar: Transformer, sources: list[list[int]], prompts: list[list[int]],
+                    max_new: int, *, prefix: int = 50, sampling: DD2Sampling = DD2Sampling(),
+                    eos_id: int | None = None, pad_id: int = 0,
+                    generator: torch.Generator | None = None) -> DD2Result:
+    """One DD2 sample for the first (up to) `prefix` tokens, then greedy AR continues each row from its
+    prompt plus that prefix (one prefill pass fills the KV cache) up to `max_new` tokens. Rows whose one-step
+    text ended within the prefix are done. `prompts` are the AR model's prompts (seq2seq: source + <sep>)."""
+    one = dd2_generate(model, sources, min(prefix, max_new), sampling=sampling, eos_id=eos_id, pad_id=pad_id,
+                       generator=generator)
+    ended = [eos_id is not None and len(toks) < prefix for toks in one.tokens]
+    tokens = [list(toks) for toks in one.tokens]
+    seconds, ar_passes = one.seconds, 0
+    todo = [i for i, done in enumerate(ended) if not done and len(tokens[i]) < max_new]
+    if todo:
+        budget = max_new - min(len(tokens[i]) for i in todo)
+        rest = generate(ar, [prompts[i] + tokens[i] for i in todo], budget, pad_id=pad_id, eos_id=eos_id)
+        seconds, ar_passes = seconds + rest.seconds, rest.forward_passes
+        for i, more in zip(todo, rest.tokens):
+            tokens[i] += more[:max_new - len(tokens[i])]
+    return replace(one, tokens=tokens, seconds=seconds, forward_passes=one.forward_passes + ar_passes)

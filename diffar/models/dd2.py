@@ -1,0 +1,259 @@
+"""DD2 stage 2: diffusion in the latent space of a trained text autoencoder (seed `dd2.zh.txt`).
+
+    source tokens (S) ++ noised canvas latents z_t (N)  ->  bidirectional transformer  ->  eps or z0 (N)
+
+The denoiser reads the source as a prefix (its own token embeddings; source and canvas positions both count
+from 0, so RoPE sees how far a canvas slot is from a source token: monotone alignment comes cheap). The
+autoencoder (`TextVQVAE`) rides along frozen inside the checkpoint: it makes z0 from the training canvases
+and decodes a denoised latent into every token in one pass.
+
+Two parameterisations (`prediction`):
+- "eps" (stage 2, `diffar train dd2`): loss E||eps - eps_theta(z_t, t, c)||^2 over uniform t; samplers
+  (DDPM, DDIM) turn eps into z0 with the one-step formula.
+- "x0" (`diffar distill dd2`): the network predicts z0 directly, trained on the AR teacher's outputs. At
+  t = 1 the eps->z0 conversion divides by sqrt(alpha_bar(1)) ~ 0.003 and would blow every error up 300-fold;
+  an x0 network makes the one-step jump its plain output. The seed's multi-granularity loss applies here:
+      mse_weight * ||z0_hat - z0||^2 + ce_weight * CE(decoder(z0_hat), teacher tokens)
+      + bleu_weight * minimum-risk expected BLEU + semantic_weight * (1 - cos(mean embeddings))
+Classifier-free guidance (Ho & Salimans 2022, arXiv 2207.12598): `cond_drop` of the training examples lose
+their source; sampling mixes the conditional and unconditional outputs by `guidance_scale`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+import sacrebleu
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffar.diffusion.scheduler import PREDICTIONS
+from diffar.diffusion.schedules import KINDS, NoiseSchedule
+from diffar.errors import DiffarError
+from diffar.models.time_embedding import timestep_embedding
+from diffar.models.transformer import BidirectionalStack, TransformerConfig
+from diffar.models.vqvae import TextVQVAE, VQVAEConfig
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(n_layer=1, n_head=4, d_model=64, max_source_len=64),  # tests
+    "small": dict(n_layer=6, n_head=8, d_model=256, max_source_len=128),
+}
+
+
+@dataclass
+class DD2Config:
+    vqvae: VQVAEConfig = field(default_factory=VQVAEConfig)
+    vqvae_sha256: str = ""  # fingerprint of the autoencoder weights the diffusion was trained in
+    n_layer: int = 6
+    n_head: int = 8
+    d_model: int = 256
+    max_source_len: int = 128
+    schedule: str = "cosine"
+    prediction: str = "eps"
+    cond_drop: float = 0.1  # share of training examples without their source (classifier-free guidance)
+    latent_scale: float = 1.0  # z0 = latent_scale * autoencoder latent: unit variance for the diffusion
+    # distillation (prediction "x0")
+    full_noise_prob: float = 0.75  # share of training examples at t = 1, where one-step sampling starts
+    mse_weight: float = 1.0
+    ce_weight: float = 1.0
+    bleu_weight: float = 0.0
+    semantic_weight: float = 0.0
+    bleu_samples: int = 4  # canvases sampled per example for the expected-BLEU loss
+    eos_id: int | None = None  # where a seq2seq canvas's text ends (None: continuation, no end)
+    preset: str = ""
+
+    def __post_init__(self):
+        if isinstance(self.vqvae, dict):
+            self.vqvae = VQVAEConfig.from_dict(self.vqvae)
+        checks = [
+            (self.schedule in KINDS, f"unknown noise schedule {self.schedule!r}; choose one of {', '.join(KINDS)}"),
+            (self.prediction in PREDICTIONS, f"unknown prediction {self.prediction!r}; choose one of "
+                                             f"{', '.join(PREDICTIONS)}"),
+            (0 <= self.cond_drop < 1, f"cond_drop must be in [0, 1), got {self.cond_drop}"),
+            (0 <= self.full_noise_prob <= 1, f"full_noise_prob must be in [0, 1], got {self.full_noise_prob}"),
+            (self.latent_scale > 0, f"latent_scale must be positive, got {self.latent_scale}"),
+            (self.bleu_samples > 1, f"bleu_samples must be at least 2, got {self.bleu_samples}"),
+        ]
+        checks += [(w >= 0 and math.isfinite(w), f"loss weights must be >= 0, got {w}")
+                   for w in (self.mse_weight, self.ce_weight, self.bleu_weight, self.semantic_weight)]
+        for ok, message in checks:
+            if not ok:
+                raise DiffarError(message)
+
+    @classmethod
+    def from_preset(cls, name: str, vqvae: VQVAEConfig, **overrides) -> DD2Config:
+        if name not in PRESETS:
+            raise DiffarError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        return cls(vqvae=vqvae, **{**PRESETS[name], **overrides, "preset": name})
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DD2Config:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def stack_config(self) -> TransformerConfig:
+        return TransformerConfig(vocab_size=self.vqvae.vocab_size, n_layer=self.n_layer, n_head=self.n_head,
+                                 d_model=self.d_model, max_seq_len=max(self.max_source_len, self.vqvae.max_len))
+
+
+def weights_sha256(module: nn.Module) -> str:
+    """A fingerprint of a module's weights and buffers (to tell one trained autoencoder from another)."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+class LatentDenoiser(nn.Module):
+    """(z_t (B, N, d_latent), t (B,), source (B, S), source_mask (B, S)) -> eps or z0 (B, N, d_latent)."""
+
+    def __init__(self, cfg: DD2Config):
+        super().__init__()
+        stack = cfg.stack_config()
+        self.d_model = cfg.d_model
+        self.src_emb = nn.Embedding(cfg.vqvae.vocab_size, cfg.d_model)
+        self.segment = nn.Embedding(2, cfg.d_model)  # 0: source token, 1: canvas latent
+        self.latent_in = nn.Linear(cfg.vqvae.d_latent, cfg.d_model)
+        self.time_mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_model), nn.SiLU(),
+                                      nn.Linear(cfg.d_model, cfg.d_model))
+        self.stack = BidirectionalStack(stack)
+        self.latent_out = nn.Linear(cfg.d_model, cfg.vqvae.d_latent)
+        self.max_source_len = cfg.max_source_len
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, z: torch.Tensor, t: torch.Tensor, source: torch.Tensor,
+                source_mask: torch.Tensor) -> torch.Tensor:
+        B, N, _ = z.shape
+        S = source.shape[1]
+        if S > self.max_source_len:
+            raise DiffarError(f"source of {S} tokens exceeds the model's {self.max_source_len}")
+        time = self.time_mlp(timestep_embedding(t, self.d_model).to(z.dtype)).unsqueeze(1)
+        src = self.src_emb(source) + self.segment.weight[0]
+        canvas = self.latent_in(z) + self.segment.weight[1] + time
+        positions = torch.cat([torch.arange(S, device=z.device), torch.arange(N, device=z.device)])
+        key_mask = torch.cat([source_mask, source_mask.new_ones(B, N)], dim=1)
+        h = self.stack(torch.cat([src, canvas], dim=1), key_mask, positions)
+        return self.latent_out(h[:, S:])
+
+
+class DD2Model(nn.Module):
+    loss_is_nll = False
+
+    def __init__(self, cfg: DD2Config):
+        super().__init__()
+        self.config = cfg
+        self.vqvae = TextVQVAE(cfg.vqvae).requires_grad_(False).eval()  # frozen: no codebook updates
+        self.denoiser = LatentDenoiser(cfg)
+        self.schedule = NoiseSchedule(cfg.schedule)
+        self.loss_parts: dict[str, float] = {}
+
+    def train(self, mode: bool = True) -> DD2Model:
+        super().train(mode)
+        self.vqvae.eval()  # frozen: no dropout of codes, no codebook updates
+        return self
+
+    def set_vqvae(self, vqvae: TextVQVAE) -> None:
+        """Adopt a trained autoencoder (its config must equal this model's)."""
+        if vqvae.config.to_dict() != self.config.vqvae.to_dict():
+            raise DiffarError("the VQ-VAE's config differs from the one this DD2 model is built for")
+        self.vqvae.load_state_dict(vqvae.state_dict())
+
+    @torch.no_grad()
+    def calibrate(self, canvases: torch.Tensor) -> None:
+        """Set latent_scale to 1 / the standard deviation of these canvases' latents: unit-variance data for
+        the diffusion, as latent diffusion models scale theirs."""
+        self.config.latent_scale = float(1 / self.vqvae.encode(canvases).float().std())
+
+    @torch.no_grad()
+    def latents(self, canvas: torch.Tensor) -> torch.Tensor:
+        """Token canvases (B, N) -> z0 (B, N, d_latent), scaled for the diffusion."""
+        return self.vqvae.encode(canvas) * self.config.latent_scale
+
+    def decode(self, z0: torch.Tensor) -> torch.Tensor:
+        """z0 (B, N, d_latent) -> token logits (B, N, V)."""
+        return self.vqvae.decode(z0 / self.config.latent_scale)
+
+    def predict(self, z: torch.Tensor, t: torch.Tensor, source: torch.Tensor, source_mask: torch.Tensor,
+                guidance_scale: float = 1.0) -> torch.Tensor:
+        """The network's output with classifier-free guidance: u + w (c - u); w = 1 is conditional only."""
+        if guidance_scale == 1.0:
+            return self.denoiser(z, t, source, source_mask)
+        B = len(z)
+        out = self.denoiser(torch.cat([z, z]), torch.cat([t, t]), torch.cat([source, source]),
+                            torch.cat([source_mask, torch.zeros_like(source_mask)]))
+        cond, uncond = out[:B], out[B:]
+        return uncond + guidance_scale * (cond - uncond)
+
+    def forward(self, source: torch.Tensor, source_mask: torch.Tensor,
+                targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        B = len(targets)
+        z0 = self.latents(targets)
+        t = torch.rand(B, device=z0.device)
+        if cfg.prediction == "x0":
+            t = torch.where(torch.rand(B, device=z0.device) < cfg.full_noise_prob, torch.ones_like(t), t)
+        noise = torch.randn_like(z0)
+        z_t = self.schedule.q_sample(z0, t, noise)
+        keep = (torch.rand(B, 1, device=z0.device) >= cfg.cond_drop) if self.training else True
+        out = self.denoiser(z_t, t, source, source_mask & keep)
+        if cfg.prediction == "eps":
+            loss = F.mse_loss(out, noise)
+            self.loss_parts = {"eps_mse": float(loss.detach())}
+            return out, loss
+        return out, self._distillation_loss(out, z0, targets)
+
+    def _distillation_loss(self, z0_hat: torch.Tensor, z0: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        logits = self.decode(z0_hat).float()
+        parts = {"mse": F.mse_loss(z0_hat, z0), "ce": F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1))}
+        if cfg.bleu_weight:
+            parts["bleu"] = expected_bleu_risk(logits, targets, cfg.bleu_samples, cfg.eos_id)
+        if cfg.semantic_weight:
+            parts["semantic"] = semantic_distance(logits, targets, self.vqvae.tok_emb.weight)
+        weights = {"mse": cfg.mse_weight, "ce": cfg.ce_weight, "bleu": cfg.bleu_weight,
+                   "semantic": cfg.semantic_weight}
+        loss = sum(weights[k] * v for k, v in parts.items())
+        self.loss_parts = {k: float(v.detach()) for k, v in parts.items()}
+        self.loss_parts["token_acc"] = float((logits.argmax(-1) == targets).float().mean())
+        return loss
+
+
+def _text(ids: list[int], eos_id: int | None) -> str:
+    """A canvas's token ids up to its first <eos>, as the space-separated string sacrebleu scores."""
+    if eos_id is not None and eos_id in ids:
+        ids = ids[:ids.index(eos_id)]
+    return " ".join(map(str, ids))
+
+
+def expected_bleu_risk(logits: torch.Tensor, targets: torch.Tensor, samples: int, eos_id: int | None,
+                       alpha: float = 0.005) -> torch.Tensor:
+    """Minimum-risk training (Shen et al. 2016, arXiv 1512.02433) with BLEU as the gain: draw `samples`
+    canvases per row from the decoder's per-position distributions (they are independent: one parallel
+    pass), score each with sentence BLEU against the target (sacrebleu on token ids, up to <eos>), and return the
+    expected risk 1 - BLEU/100 under Q(y) ∝ p(y)^alpha over the drawn set."""
+    logp = F.log_softmax(logits, dim=-1)  # (B, N, V)
+    draws = torch.distributions.Categorical(logits=logits.detach()).sample((samples,))  # (K, B, N)
+    seq_logp = logp.unsqueeze(0).expand(samples, -1, -1, -1).gather(-1, draws.unsqueeze(-1)).squeeze(-1).sum(-1)
+    refs = [_text(row, eos_id) for row in targets.tolist()]
+    gains = torch.tensor([[sacrebleu.sentence_bleu(_text(hyp, eos_id), [ref], tokenize="none").score / 100
+                           for hyp, ref in zip(k_rows, refs)] for k_rows in draws.tolist()], device=logits.device)
+    q = torch.softmax(alpha * seq_logp, dim=0)  # (K, B) over each row's draws
+    return ((1 - gains) * q).sum(0).mean()
+
+
+def semantic_distance(logits: torch.Tensor, targets: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """1 - cosine similarity of the mean token embedding of the prediction (expected under the decoder's
+    distributions) and of the target, in the autoencoder's embedding space: a sequence-level meaning term
+    that does not care where in the canvas a word lands."""
+    predicted = (F.softmax(logits, dim=-1) @ table.float()).mean(1)
+    reference = F.embedding(targets, table.float()).mean(1)
+    return (1 - F.cosine_similarity(predicted, reference, dim=-1)).mean()

@@ -1,0 +1,306 @@
+"""DD2: guidance, the distillation loss, sampling (one step, DDIM, hybrid), checkpoints and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import TINY_TRAIN, assert_clean_error, random_model, run_cli
+from diffar.checkpoint import load_checkpoint, write_checkpoint
+from diffar.decoding.ar import generate
+from diffar.decoding.dd2 import DD2Sampling, adaptive_steps, dd2_generate, hybrid_generate
+from diffar.errors import DiffarError
+from diffar.models.dd2 import DD2Config, DD2Model, expected_bleu_risk, semantic_distance
+from diffar.models.vqvae import VQVAEConfig
+
+VOCAB = 512
+EOS = 2
+
+
+def random_dd2(seed=0, **overrides) -> DD2Model:
+    """A `tiny` DD2 model with large random weights, so that different inputs give different tokens."""
+    torch.manual_seed(seed)
+    model = DD2Model(DD2Config.from_preset("tiny", VQVAEConfig.from_preset("tiny", VOCAB), **overrides)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return model
+
+
+def sources(n=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, VOCAB, (int(length),), generator=g).tolist()
+            for length in torch.randint(3, 12, (n,), generator=g)]
+
+
+def inputs(model, batch=2, width=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(batch, width, model.config.vqvae.d_latent, generator=g)
+    source = torch.randint(5, VOCAB, (batch, 6), generator=g)
+    return z, torch.full((batch,), 0.7), source, torch.ones_like(source, dtype=torch.bool)
+
+
+# ---- the model ----------------------------------------------------------------------------------------
+def test_guidance_one_is_conditional_only_and_mixes_otherwise():
+    model = random_dd2()
+    z, t, source, mask = inputs(model)
+    cond = model.denoiser(z, t, source, mask)
+    uncond = model.denoiser(z, t, source, torch.zeros_like(mask))
+    assert not torch.allclose(cond, uncond)  # the source matters
+    torch.testing.assert_close(model.predict(z, t, source, mask, guidance_scale=1.0), cond)
+    torch.testing.assert_close(model.predict(z, t, source, mask, guidance_scale=2.5),
+                               uncond + 2.5 * (cond - uncond), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model.predict(z, t, source, mask, guidance_scale=0.0), uncond, rtol=1e-4, atol=1e-4)
+
+
+def test_padding_the_source_changes_nothing():
+    model = random_dd2()
+    z, t, source, mask = inputs(model, batch=1)
+    padded = torch.cat([source, torch.zeros(1, 4, dtype=source.dtype)], 1)
+    padded_mask = torch.cat([mask, torch.zeros(1, 4, dtype=torch.bool)], 1)
+    torch.testing.assert_close(model.denoiser(z, t, padded, padded_mask), model.denoiser(z, t, source, mask))
+
+
+@pytest.mark.parametrize("weights", [dict(mse_weight=2.0, ce_weight=0.5, bleu_weight=0.3, semantic_weight=0.7),
+                                     dict(mse_weight=0.0, ce_weight=1.0, bleu_weight=0.0, semantic_weight=0.0)])
+def test_distillation_loss_weights_are_applied_as_configured(weights):
+    model = random_dd2(prediction="x0", **weights).train()
+    z, t, source, mask = inputs(model)
+    targets = torch.randint(5, VOCAB, (2, 10))
+    torch.manual_seed(3)
+    _, loss = model(source, mask, targets)
+    parts = model.loss_parts
+    expected = sum(weights[f"{k}_weight"] * parts[k] for k in ("mse", "ce", "bleu", "semantic") if k in parts)
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-5)
+    assert ("bleu" in parts) == bool(weights["bleu_weight"]) and ("semantic" in parts) == bool(weights["semantic_weight"])
+    loss.backward()
+    assert model.denoiser.latent_out.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in model.vqvae.parameters())  # the autoencoder stays frozen
+
+
+def test_eps_loss_is_the_noise_mse():
+    model = random_dd2(prediction="eps", cond_drop=0.0)
+    targets = torch.randint(5, VOCAB, (2, 10))
+    source, mask = torch.randint(5, VOCAB, (2, 6)), torch.ones(2, 6, dtype=torch.bool)
+    torch.manual_seed(4)
+    out, loss = model(source, mask, targets)
+    torch.manual_seed(4)  # replay the same draws: t, then the noise
+    z0 = model.latents(targets)
+    t = torch.rand(2)
+    noise = torch.randn_like(z0)
+    torch.testing.assert_close(out, model.denoiser(model.schedule.q_sample(z0, t, noise), t, source, mask))
+    assert float(loss.detach()) == pytest.approx(float(F.mse_loss(out, noise).detach()), rel=1e-5)
+
+
+def test_bleu_risk_and_semantic_distance_rank_predictions():
+    targets = torch.randint(5, 100, (3, 12))
+    right = F.one_hot(targets, 100).float() * 30
+    wrong = F.one_hot((targets + 7) % 100, 100).float() * 30
+    assert float(expected_bleu_risk(right, targets, 4, None)) == pytest.approx(0.0, abs=1e-6)
+    assert float(expected_bleu_risk(wrong, targets, 4, None)) > 0.9
+    table = torch.randn(100, 16)
+    assert float(semantic_distance(right, targets, table)) < 1e-4 < float(semantic_distance(wrong, targets, table))
+    # only the text up to <eos> counts
+    tail = targets.clone()
+    tail[:, 6] = EOS
+    noisy_tail = F.one_hot(torch.where(torch.arange(12) > 6, (tail + 1) % 100, tail), 100).float() * 30
+    assert float(expected_bleu_risk(noisy_tail, tail, 4, EOS)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_bleu_risk_gradient_favours_the_better_draw():
+    """Minimum risk raises the probability of high-BLEU draws: one gradient step lowers the risk."""
+    torch.manual_seed(0)
+    targets = torch.randint(5, 20, (4, 8))
+    logits = (F.one_hot(targets, 20).float() * 1.5).requires_grad_()
+    before = float(expected_bleu_risk(logits, targets, 8, None))
+    expected_bleu_risk(logits, targets, 8, None).backward()
+    with torch.no_grad():
+        logits -= 50 * logits.grad
+    torch.manual_seed(0)
+    assert float(expected_bleu_risk(logits, targets, 8, None)) < before
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(prediction="v"), "unknown prediction"), (dict(cond_drop=1.0), "cond_drop"),
+    (dict(ce_weight=-1.0), "loss weights"), (dict(schedule="sqrt"), "unknown noise schedule"),
+    (dict(bleu_samples=1), "bleu_samples"),
+])
+def test_bad_config(bad, message):
+    with pytest.raises(DiffarError, match=message):
+        DD2Config(**bad)
+    with pytest.raises(DiffarError, match="unknown preset"):
+        DD2Config.from_preset("huge", VQVAEConfig())
+
+
+def test_save_and_load(tmp_path, tokenizer):
+    model = random_dd2(eos_id=EOS)
+    meta = {"kind": "dd2", "model": model.config.to_dict(), "task": "seq2seq", "corpus": "kjv2web"}
+    write_checkpoint(tmp_path / "dd2", model, meta, tokenizer)
+    loaded, _, meta2 = load_checkpoint(tmp_path / "dd2")
+    assert loaded.config.to_dict() == model.config.to_dict()
+    src = sources()
+    a = dd2_generate(model, src, 20, eos_id=EOS, generator=torch.Generator().manual_seed(0))
+    b = dd2_generate(loaded, src, 20, eos_id=EOS, generator=torch.Generator().manual_seed(0))
+    assert a.tokens == b.tokens
+
+
+# ---- sampling -----------------------------------------------------------------------------------------
+def test_sampling_policies():
+    assert DD2Sampling.from_preset("speed") == DD2Sampling(steps=30, tau_max=0.7, guidance_scale=1.5)
+    assert DD2Sampling.from_preset("quality", steps=7).steps == 7
+    assert [adaptive_steps(n) for n in (10, 300, 600)] == [51, 80, 100]
+    assert DD2Sampling(adaptive=True).steps_for(300) == 80
+    s = DD2Sampling(tau_max=0.7, tau_min=0.1)
+    assert (s.tau(1.0), s.tau(0.5), s.tau(0.0)) == (0.1, pytest.approx(0.35), 0.7)
+    for bad, message in [(dict(steps=0), "steps must be positive"), (dict(guidance_scale=-1.0), "guidance"),
+                         (dict(sampler="euler"), "unknown sampler"), (dict(tau_max=-0.1), "temperatures")]:
+        with pytest.raises(DiffarError, match=message):
+            DD2Sampling(**bad)
+    with pytest.raises(DiffarError, match="unknown sampling preset"):
+        DD2Sampling.from_preset("fast")
+
+
+@pytest.mark.parametrize("sampling", [DD2Sampling(), DD2Sampling(steps=5, guidance_scale=2.0),
+                                      DD2Sampling(steps=4, sampler="ddpm", tau_max=0.5)])
+def test_generate_is_deterministic_and_counts_passes(sampling):
+    model = random_dd2(eos_id=EOS)
+    src = sources()
+    runs = [dd2_generate(model, src, 50, sampling=sampling, eos_id=EOS, generator=torch.Generator().manual_seed(9))
+            for _ in range(2)]
+    assert runs[0].tokens == runs[1].tokens
+    assert runs[0].steps == runs[0].forward_passes == sampling.steps and runs[0].decoder_passes == 1
+    width = max(model.config.vqvae.width(len(s)) for s in src)
+    assert all(len(row) <= width and EOS not in row for row in runs[0].tokens)
+    other = dd2_generate(model, src, 50, sampling=sampling, eos_id=EOS, generator=torch.Generator().manual_seed(10))
+    assert other.tokens != runs[0].tokens  # the noise matters
+
+
+def test_one_step_is_the_network_output_decoded():
+    """One step from t = 1: the x0 network's output read out by argmax, each row cut at its first <eos>."""
+    model = random_dd2(prediction="x0", eos_id=EOS)
+    src = sources(2)
+    result = dd2_generate(model, src, 50, eos_id=EOS, generator=torch.Generator().manual_seed(5))
+    width = max(model.config.vqvae.width(len(s)) for s in src)
+    z = torch.randn(2, width, model.config.vqvae.d_latent, generator=torch.Generator().manual_seed(5))
+    source = torch.zeros(2, max(map(len, src)), dtype=torch.long)
+    mask = torch.zeros_like(source, dtype=torch.bool)
+    for i, s in enumerate(src):
+        source[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), True
+    with torch.no_grad():
+        ids = model.decode(model.denoiser(z, torch.ones(2), source, mask)).argmax(-1).tolist()
+    assert result.tokens == [row[:row.index(EOS)] if EOS in row else row for row in ids]
+
+
+def test_snapshots_and_max_new():
+    model = random_dd2(eos_id=None)
+    seen = []
+    result = dd2_generate(model, sources(2), 7, sampling=DD2Sampling(steps=3),
+                          generator=torch.Generator().manual_seed(0), on_step=lambda i, rows: seen.append(i))
+    assert seen == [0, 1, 2] and all(len(row) == 7 for row in result.tokens)
+    with pytest.raises(DiffarError, match="max_new"):
+        dd2_generate(model, sources(2), 0)
+    with pytest.raises(DiffarError, match="at least one token"):
+        dd2_generate(model, [[5], []], 4)
+
+
+def test_hybrid_is_one_step_prefix_then_ar_continuation():
+    model, ar = random_dd2(eos_id=None), random_model(1)
+    src = sources(3)
+    prompts = [s[-8:] for s in src]
+    hybrid = hybrid_generate(model, ar, src, prompts, 20, prefix=6, generator=torch.Generator().manual_seed(2))
+    one = dd2_generate(model, src, 6, generator=torch.Generator().manual_seed(2))
+    rest = generate(ar, [p + t for p, t in zip(prompts, one.tokens)], 14, pad_id=0, eos_id=None)
+    assert hybrid.tokens == [t + r for t, r in zip(one.tokens, rest.tokens)]
+    assert hybrid.forward_passes == one.forward_passes + rest.forward_passes
+
+
+# ---- the command line ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_vqvae(tokenizer_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "tiny-vqvae"
+    proc = run_cli("train", "vqvae", "--corpus", "kjv2web", "--tokenizer", tokenizer_path, "--out", out,
+                   "--max-steps", "6", *TINY_TRAIN)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_dd2(tiny_vqvae, tiny_run, tmp_path_factory):
+    """Stage 2 (eps), then distillation from the AR teacher starting from it: the whole DD2 pipeline."""
+    runs = tmp_path_factory.mktemp("runs")
+    stage2 = run_cli("train", "dd2", "--vqvae", tiny_vqvae, "--corpus", "kjv2web", "--out", runs / "eps",
+                     "--max-steps", "4", *TINY_TRAIN)
+    assert stage2.returncode == 0, stage2.stderr
+    distill = run_cli("distill", "dd2", "--teacher", tiny_run, "--init", runs / "eps", "--corpus", "kjv2web",
+                      "--teacher-examples", "24", "--bleu-weight", "0.5", "--semantic-weight", "0.5",
+                      "--out", runs / "x0", "--max-steps", "4", *TINY_TRAIN)
+    assert distill.returncode == 0, distill.stderr
+    return runs
+
+
+def test_cli_pipeline(tiny_dd2, tiny_vqvae, tiny_run):
+    eps, _, meta = load_checkpoint(tiny_dd2 / "eps")
+    x0, _, meta2 = load_checkpoint(tiny_dd2 / "x0")
+    vq, _, _ = load_checkpoint(tiny_vqvae)
+    assert (meta["kind"], eps.config.prediction, x0.config.prediction) == ("dd2", "eps", "x0")
+    assert x0.config.eos_id is not None and x0.config.bleu_weight == 0.5
+    for a, b in zip(x0.vqvae.state_dict().values(), vq.state_dict().values()):
+        assert torch.equal(a, b)  # the autoencoder rides along unchanged
+    teacher = [json.loads(line) for line in (tiny_dd2 / "x0" / "teacher.jsonl").read_text().splitlines()]
+    assert len(teacher) == 24
+    metrics = [json.loads(line) for line in (tiny_dd2 / "x0" / "metrics.jsonl").read_text().splitlines()]
+    assert {"mse", "ce", "bleu", "semantic"} <= set(metrics[-1])
+
+
+@pytest.mark.parametrize("flags, label", [((), "dd2 1-step ddim"), (("--steps", "3", "--guidance", "2"), "3-step"),
+                                          (("--preset", "speed"), "30-step"), (("--adaptive-steps",), "-step"),
+                                          (("--steps", "2", "--sampler", "ddpm", "--tau", "0.5"), "2-step ddpm")])
+def test_cli_generate(tiny_dd2, flags, label):
+    proc = run_cli("generate", "--checkpoint", tiny_dd2 / "x0", "--prompt", "In the beginning", *flags)
+    assert proc.returncode == 0, proc.stderr
+    assert label in proc.stderr and "tokens/s" in proc.stderr and "forward passes" in proc.stderr
+
+
+def test_cli_hybrid_and_bench(tiny_dd2, tiny_run, tmp_path):
+    proc = run_cli("generate", "--checkpoint", tiny_dd2 / "x0", "--hybrid", tiny_run, "--prompt", "In the beginning")
+    assert proc.returncode == 0 and "[dd2-hybrid]" in proc.stderr, proc.stderr
+    out = tmp_path / "bench.json"
+    proc = run_cli("bench", "dd2", "--checkpoint", tiny_dd2 / "x0", "--ar", tiny_run, "--prompts", "4",
+                   "--batch-sizes", "1", "2", "--methods", "ar", "dd2-1", "dd2-3", "dd2-hybrid", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads(out.read_text())
+    assert {(r["method"], r["batch_size"]) for r in records} == {
+        (m, b) for m in ("ar", "dd2-1", "dd2-3", "dd2-hybrid") for b in (1, 2)}
+    for r in records:
+        assert {"bleu4", "chrf", "rougeL", "steps"} <= set(r["extra"]) and r["tokens_per_s"] > 0
+    assert {r["extra"]["steps"] for r in records if r["method"] == "dd2-3"} == {3}
+
+
+def test_cli_bad_input(tiny_dd2, tiny_vqvae, tiny_run, tokenizer_path, tmp_path):
+    args = ("generate", "--checkpoint", tiny_dd2 / "x0", "--prompt", "x")
+    assert_clean_error(run_cli(*args, "--steps", "0"), "steps must be positive")
+    assert_clean_error(run_cli(*args, "--guidance", "-1"), "guidance scale must be >= 0")
+    assert_clean_error(run_cli(*args, "--preset", "fast"), "invalid choice")
+    assert_clean_error(run_cli(*args, "--temperature", "0.5"), "--tau")
+    assert_clean_error(run_cli("generate", "--checkpoint", tiny_run, "--prompt", "x", "--steps", "2",
+                               "--method", "dd2"), "needs a DD2 checkpoint")
+    assert_clean_error(run_cli("generate", "--checkpoint", tiny_vqvae, "--prompt", "x"), "does not generate")
+    # a diffusion checkpoint and an autoencoder it was not trained in
+    other = tmp_path / "other-vqvae"
+    proc = run_cli("train", "vqvae", "--corpus", "kjv2web", "--tokenizer", tokenizer_path, "--out", other,
+                   "--max-steps", "2", "--seed", "7", *TINY_TRAIN)
+    assert proc.returncode == 0, proc.stderr
+    assert_clean_error(run_cli("train", "dd2", "--vqvae", other, "--init", tiny_dd2 / "eps", "--corpus", "kjv2web",
+                               "--out", tmp_path / "x", "--max-steps", "1", *TINY_TRAIN), "do not belong together")
+    assert_clean_error(run_cli("train", "dd2", "--corpus", "kjv2web", "--out", tmp_path / "y", *TINY_TRAIN),
+                       "pass --vqvae")
+    assert_clean_error(run_cli("distill", "dd2", "--teacher", tiny_dd2 / "x0", "--init", tiny_dd2 / "eps",
+                               "--corpus", "kjv2web", "--out", tmp_path / "z", *TINY_TRAIN), "the teacher is an AR model")
+    assert_clean_error(run_cli("bench", "dd2", "--checkpoint", tiny_run, "--out", tmp_path / "b.json"),
+                       "bench dd2 needs a DD2 one")
+    assert_clean_error(run_cli("bench", "dd2", "--checkpoint", tiny_dd2 / "x0", "--ar", tiny_run, "--methods", "dd2-0",
+                               "--out", tmp_path / "b.json"), "unknown method 'dd2-0'")
