@@ -179,15 +179,14 @@ def _load_kind(path: str, kind: str, flag: str):
 def _dd2_start(args, prediction: str):
     """The DD2 model a `train dd2` / `distill dd2` run starts from: --init (a DD2 checkpoint) and/or --vqvae
     (the autoencoder to build on), which must belong together. Returns (model, config, tokenizer)."""
-    from diffar.models.dd2 import DD2Config, DD2Model, weights_sha256
+    from diffar.models.dd2 import DD2Config, DD2Model, same_weights
 
     init = vqvae = None
     if args.init:
         init, tokenizer, _ = _load_kind(args.init, "dd2", "--init")
     if args.vqvae:
         vqvae, vq_tokenizer, _ = _load_kind(args.vqvae, "vqvae", "--vqvae")
-        if init is not None and (vq_tokenizer.sha256 != tokenizer.sha256
-                                 or init.config.vqvae_sha256 != weights_sha256(vqvae)):
+        if init is not None and (vq_tokenizer.sha256 != tokenizer.sha256 or not same_weights(init.vqvae, vqvae)):
             raise DiffarError(f"--init {args.init} was trained in another VQ-VAE than --vqvae {args.vqvae}; "
                               f"they do not belong together")
         tokenizer = vq_tokenizer
@@ -199,7 +198,7 @@ def _dd2_start(args, prediction: str):
     if init is not None:
         cfg = DD2Config.from_dict({**init.config.to_dict(), **overrides})
     else:
-        cfg = DD2Config.from_preset(args.preset, vqvae.config, vqvae_sha256=weights_sha256(vqvae), **overrides)
+        cfg = DD2Config.from_preset(args.preset, vqvae.config, **overrides)
     model = DD2Model(cfg)
     model.load_state_dict(init.state_dict()) if init is not None else model.set_vqvae(vqvae)
     return model, cfg, tokenizer
@@ -263,7 +262,8 @@ def cmd_export(args) -> None:
     if out.exists():
         raise DiffarError(f"{out} already exists; remove it or choose another --out")
     model, tokenizer, meta = load_checkpoint(args.checkpoint)
-    write_checkpoint(out, model, {**meta, "dtype": args.dtype}, tokenizer, dtype=DTYPES[args.dtype])
+    meta = {**meta, "model": model.config.to_dict(), "dtype": args.dtype}  # the config as this diffar reads it
+    write_checkpoint(out, model, meta, tokenizer, dtype=DTYPES[args.dtype])
     print(f"exported step {meta.get('step')} to {out} ({args.dtype})")
 
 

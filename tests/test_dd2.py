@@ -13,8 +13,8 @@ from diffar.checkpoint import load_checkpoint, write_checkpoint
 from diffar.decoding.ar import generate
 from diffar.decoding.dd2 import DD2Sampling, adaptive_steps, dd2_generate, hybrid_generate
 from diffar.errors import DiffarError
-from diffar.models.dd2 import DD2Config, DD2Model, expected_bleu_risk, semantic_distance
-from diffar.models.vqvae import VQVAEConfig
+from diffar.models.dd2 import DD2Config, DD2Model, expected_bleu_risk, same_weights, semantic_distance
+from diffar.models.vqvae import TextVQVAE, VQVAEConfig
 
 VOCAB = 512
 EOS = 2
@@ -134,6 +134,14 @@ def test_bad_config(bad, message):
         DD2Config(**bad)
     with pytest.raises(DiffarError, match="unknown preset"):
         DD2Config.from_preset("huge", VQVAEConfig())
+
+
+def test_same_weights_tells_autoencoders_apart_but_not_their_bf16_copies():
+    torch.manual_seed(0)
+    a, b = TextVQVAE(VQVAEConfig.from_preset("tiny", VOCAB)), TextVQVAE(VQVAEConfig.from_preset("tiny", VOCAB))
+    copy = TextVQVAE(VQVAEConfig.from_preset("tiny", VOCAB))
+    copy.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in a.state_dict().items()})
+    assert same_weights(a, copy) and not same_weights(a, b)
 
 
 def test_save_and_load(tmp_path, tokenizer):

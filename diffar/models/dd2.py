@@ -21,7 +21,6 @@ their source; sampling mixes the conditional and unconditional outputs by `guida
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import asdict, dataclass, field, fields
 
@@ -46,7 +45,6 @@ PRESETS: dict[str, dict] = {
 @dataclass
 class DD2Config:
     vqvae: VQVAEConfig = field(default_factory=VQVAEConfig)
-    vqvae_sha256: str = ""  # fingerprint of the autoencoder weights the diffusion was trained in
     n_layer: int = 6
     n_head: int = 8
     d_model: int = 256
@@ -102,13 +100,12 @@ class DD2Config:
                                  d_model=self.d_model, max_seq_len=max(self.max_source_len, self.vqvae.max_len))
 
 
-def weights_sha256(module: nn.Module) -> str:
-    """A fingerprint of a module's weights and buffers (to tell one trained autoencoder from another)."""
-    h = hashlib.sha256()
-    for name, t in sorted(module.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().float().cpu().numpy().tobytes())
-    return h.hexdigest()
+def same_weights(a: nn.Module, b: nn.Module) -> bool:
+    """Whether two modules hold the same weights and buffers, at bf16 resolution (so that an exported bf16
+    copy of an autoencoder still counts as the one a diffusion model was trained in)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(
+        sa[k].shape == sb[k].shape and torch.equal(sa[k].to(torch.bfloat16), sb[k].to(torch.bfloat16)) for k in sa)
 
 
 class LatentDenoiser(nn.Module):
