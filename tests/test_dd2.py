@@ -116,12 +116,13 @@ def test_bleu_risk_gradient_favours_the_better_draw():
     torch.manual_seed(0)
     targets = torch.randint(5, 20, (4, 8))
     logits = (F.one_hot(targets, 20).float() * 1.5).requires_grad_()
-    before = float(expected_bleu_risk(logits, targets, 8, None))
-    expected_bleu_risk(logits, targets, 8, None).backward()
+    risk = expected_bleu_risk(logits, targets, 8, None)
+    before = float(risk.detach())
+    risk.backward()
     with torch.no_grad():
         logits -= 50 * logits.grad
     torch.manual_seed(0)
-    assert float(expected_bleu_risk(logits, targets, 8, None)) < before
+    assert float(expected_bleu_risk(logits.detach(), targets, 8, None)) < before
 
 
 @pytest.mark.parametrize("bad, message", [
