@@ -8,6 +8,7 @@ from diffar.evaluation.evaluate import evaluate_checkpoint
 from tests.conftest import ROOT
 
 KJV, SHAKESPEARE = ROOT / "checkpoints" / "ar-kjv2web", ROOT / "checkpoints" / "ar-shakespeare"
+VQVAE = ROOT / "checkpoints" / "vqvae-kjv2web"
 
 
 @pytest.mark.parametrize("name, task, preset", [
@@ -34,9 +35,9 @@ def test_shakespeare_perplexity_on_unseen_works():
 def test_vqvae_rebuilds_unseen_verses():
     """The DD2 autoencoder gives back held-out canvases (measured on the full test split: 99.39% token
     accuracy, 83.7% exact; docs/results/vqvae-kjv2web-test.json)."""
-    _, _, meta = load_checkpoint(ROOT / "checkpoints" / "vqvae-kjv2web")
+    _, _, meta = load_checkpoint(VQVAE)
     assert meta["kind"] == "vqvae" and meta["task"] == "seq2seq" and meta["model"]["preset"] == "small"
-    report = evaluate_checkpoint(str(ROOT / "checkpoints" / "vqvae-kjv2web"), None, "test", limit=128, batch_size=32)
+    report = evaluate_checkpoint(str(VQVAE), None, "test", limit=128, batch_size=32)
     assert report["token_accuracy"] > 0.985 and report["exact_sequence_rate"] > 0.7
     assert report["code_usage"] > 0.5
 
