@@ -209,7 +209,11 @@ def _fit_dd2(args, model, cfg, tokenizer, examples=None) -> None:
                                 max_source=cfg.max_source_len)
     train = datasets[0]
     cfg.eos_id = tokenizer.eos_id if datasets[2] == "seq2seq" else None
-    if not args.init:  # a fresh model: scale its latents to unit variance
+    if (Path(args.out) / "latest").is_file():  # a resumed run keeps the scale it was trained at
+        from diffar.checkpoint import read_meta
+
+        cfg.latent_scale = read_meta(args.out)["model"].get("latent_scale", cfg.latent_scale)
+    elif not args.init:  # a fresh model: scale its latents to unit variance
         model.calibrate(train.batch(train.eval_indices(256))["targets"])
     print(f"latent scale {cfg.latent_scale:.4f}, prediction {cfg.prediction}")
     _fit(args, model, cfg, "dd2", tokenizer, datasets)

@@ -265,6 +265,22 @@ def test_cli_pipeline(tiny_dd2, tiny_vqvae, tiny_run):
     assert {"mse", "ce", "bleu", "semantic"} <= set(metrics[-1])
 
 
+def test_cli_resume_keeps_the_latent_scale(tiny_vqvae, tmp_path):
+    """A run resumed over a bf16 export of its autoencoder (whose latents scale a hair differently) goes on
+    at the scale it was trained at instead of refusing the run as another model's."""
+    run, bf16 = tmp_path / "run", tmp_path / "vqvae-bf16"
+    assert run_cli("export", "--checkpoint", tiny_vqvae, "--out", bf16, "--dtype", "bf16").returncode == 0
+    first = run_cli("train", "dd2", "--vqvae", tiny_vqvae, "--corpus", "kjv2web", "--out", run, "--max-steps", "2",
+                    *TINY_TRAIN)
+    assert first.returncode == 0, first.stderr
+    scale = load_checkpoint(run)[0].config.latent_scale
+    again = run_cli("train", "dd2", "--vqvae", bf16, "--corpus", "kjv2web", "--out", run, "--max-steps", "3",
+                    *TINY_TRAIN)
+    assert again.returncode == 0, again.stderr
+    resumed, _, meta = load_checkpoint(run)
+    assert meta["step"] == 3 and resumed.config.latent_scale == scale
+
+
 @pytest.mark.parametrize("flags, label", [((), "dd2 1-step ddim"), (("--steps", "3", "--guidance", "2"), "3-step"),
                                           (("--preset", "speed"), "30-step"), (("--adaptive-steps",), "-step"),
                                           (("--steps", "2", "--sampler", "ddpm", "--tau", "0.5"), "2-step ddpm")])
