@@ -435,12 +435,20 @@ def cmd_serve(args) -> None:
 
     from diffar.checkpoint import ar_stream, load_checkpoint
     from diffar.serving.app import create_app
+    from diffar.serving.methods import ARMethod, DD2Method
 
-    if args.method != "ar":
-        raise DiffarError(f"method {args.method!r} is not implemented yet; serve with --method ar")
+    if args.method == "refusion":
+        raise DiffarError("serving the refusion method is not implemented yet; serve its AR stream with --method ar")
     model, tokenizer, meta = load_checkpoint(args.checkpoint)
-    model = ar_stream(model)
-    app = create_app(model, tokenizer, meta, args.model_id or Path(args.checkpoint).resolve().name,
+    kind = meta["kind"]
+    method = args.method or ("dd2" if kind == "dd2" else "ar")
+    if kind not in ("ar", "refusion", "dd2"):
+        raise DiffarError(f"{args.checkpoint} is a {kind} checkpoint, which does not generate text")
+    if (method == "dd2") != (kind == "dd2"):
+        raise DiffarError(f"--method {method} cannot serve this {kind} checkpoint")
+    served = DD2Method(model, tokenizer, meta["task"]) if method == "dd2" else \
+        ARMethod(ar_stream(model), tokenizer, meta["task"])
+    app = create_app(served, tokenizer, meta, args.model_id or Path(args.checkpoint).resolve().name,
                      max_batch_size=args.max_batch_size, window_ms=args.batch_window_ms, max_queue=args.max_queue)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, backlog=4096)
 
@@ -713,7 +721,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with dynamic batching and streaming")
     sv.add_argument("--checkpoint", required=True)
-    sv.add_argument("--method", default="ar", help="decoding method (ar; dd2 and refusion once they land)")
+    sv.add_argument("--method", choices=("ar", "dd2", "refusion"),
+                    help="decoding method (default: dd2 for a DD2 checkpoint, else ar; refusion not served yet)")
     sv.add_argument("--model-id", help="the model name clients use (default: the checkpoint folder's name)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY_TRAIN, assert_clean_error, random_model, run_cli
+from conftest import TINY_TRAIN, assert_clean_error, random_model, run_cli, start_server
 from diffar.checkpoint import load_checkpoint, write_checkpoint
 from diffar.decoding.ar import generate
 from diffar.decoding.dd2 import DD2Sampling, adaptive_steps, dd2_generate, hybrid_generate
@@ -329,3 +330,33 @@ def test_cli_bad_input(tiny_dd2, tiny_vqvae, tiny_run, tokenizer_path, tmp_path)
                        "bench dd2 needs a DD2 one")
     assert_clean_error(run_cli("bench", "dd2", "--checkpoint", tiny_dd2 / "x0", "--ar", tiny_run, "--methods", "dd2-0",
                                "--out", tmp_path / "b.json"), "unknown method 'dd2-0'")
+
+
+def test_serve_dd2(tiny_dd2, tiny_vqvae, tiny_run):
+    """A DD2 checkpoint is served as method dd2: a seeded request gives exactly what dd2_generate gives for
+    that seed, a stream carries the same text, and what DD2 cannot do is a 400."""
+    model, tokenizer, _ = load_checkpoint(tiny_dd2 / "x0")
+    prompt = "In the beginning God created the heaven and the earth."
+    proc, url = start_server(tiny_dd2 / "x0")
+    try:
+        assert httpx.get(url + "/v1/models").json()["data"][0]["methods"] == ["dd2"]
+        body = {"prompt": prompt, "max_tokens": 12, "seed": 5}
+        out = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        expected = dd2_generate(model, [tokenizer.encode(prompt)], 12, eos_id=tokenizer.eos_id,
+                                generator=torch.Generator().manual_seed(5))
+        assert out["diffar"]["method"] == "dd2" and out["diffar"]["token_ids"] == expected.tokens[0]
+        assert out["choices"][0]["text"] == tokenizer.decode(expected.tokens[0])
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == out["choices"][0]["text"]
+        guided = httpx.post(url + "/v1/completions", json={**body, "steps": 3, "guidance_scale": 2}, timeout=60)
+        assert guided.status_code == 200 and guided.json()["diffar"]["method"] == "dd2"
+        for bad, param in [({"method": "ar"}, "method"), ({"fixed_tokens": {"0": 5}}, "fixed_tokens"),
+                           ({"prompt": "word " * 200}, "prompt"), ({"max_tokens": 500}, "max_tokens")]:
+            r = httpx.post(url + "/v1/completions", json={**body, **bad}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert_clean_error(run_cli("serve", "--checkpoint", tiny_vqvae), "does not generate text")
+    assert_clean_error(run_cli("serve", "--checkpoint", tiny_run, "--method", "dd2"), "cannot serve this ar checkpoint")

@@ -1,5 +1,6 @@
 """The FastAPI app: OpenAI-compatible completions and chat completions over the batching engine,
-server-sent-event streaming, Prometheus metrics, and errors in OpenAI's shape (4xx, never a 500)."""
+server-sent-event streaming, Prometheus metrics, and errors in OpenAI's shape (4xx, never a 500).
+One server serves one model with its decoding method (serving/methods.py): AR or DD2."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException
 
-from diffar.data.batching import prompt_ids
 from diffar.decoding.sampling import SamplingConfig
 from diffar.serving.engine import BatchStats, Engine, EngineDown, Event, QueueFull, Request
+from diffar.serving.methods import dd2_sampling
 from diffar.serving.protocol import METHODS, ChatCompletionRequest, CompletionRequest, error_body
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -74,12 +75,13 @@ class Metrics:
         self.tokens_per_s.set(stats.new_tokens / stats.seconds if stats.seconds > 0 else 0.0)
 
 
-def create_app(model, tokenizer, meta: dict, model_id: str, *, max_batch_size: int = 16, window_ms: float = 10.0,
+def create_app(method, tokenizer, meta: dict, model_id: str, *, max_batch_size: int = 16, window_ms: float = 10.0,
                max_queue: int = 4096) -> FastAPI:
+    """`method`: an ARMethod or DD2Method over the loaded model."""
     metrics = Metrics()
-    engine = Engine(model, tokenizer, max_batch_size=max_batch_size, window_ms=window_ms, max_queue=max_queue,
+    engine = Engine(method, tokenizer, max_batch_size=max_batch_size, window_ms=window_ms, max_queue=max_queue,
                     on_batch=metrics.observe_batch)
-    task, served_methods = meta["task"], ("ar",)
+    task, served_methods = meta["task"], (method.name,)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -126,24 +128,31 @@ def create_app(model, tokenizer, meta: dict, model_id: str, *, max_batch_size: i
         if body.model not in (None, model_id):
             raise APIError(404, f"model {body.model!r} does not exist; this server has {model_id!r}",
                            code="model_not_found", param="model")
-        if body.method not in METHODS:
+        if body.method is not None and body.method not in METHODS:
             raise APIError(400, f"unknown method {body.method!r}; choose one of {', '.join(METHODS)}", param="method")
-        if body.method not in served_methods:
+        if body.method not in (None, method.name):
             raise APIError(400, f"method {body.method!r} is not served here (serving: {', '.join(served_methods)})",
                            param="method")
         prompt_field = "prompt" if isinstance(body, CompletionRequest) else "messages"
         if not text.strip():
             raise APIError(400, "empty prompt", param=prompt_field)
-        ids = prompt_ids(tokenizer, task, text)
-        room = engine.context - len(ids)
+        ids = method.prompt(text)
+        room = method.room(ids)
+        if room <= 0:
+            raise APIError(400, f"the prompt ({len(ids)} tokens) is too long for this model",
+                           code="context_length_exceeded", param=prompt_field)
         max_tokens = body.token_budget or min(256, room)
-        if room <= 0 or max_tokens > room:
-            raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
-                                f"{engine.context} tokens", code="context_length_exceeded",
-                           param=prompt_field if room <= 0 else "max_tokens")
-        return Request(ids, max_tokens, SamplingConfig(body.temperature, body.top_k, body.top_p),
-                       stop=body.stop_list(), seed=body.seed, fixed=pins(body.fixed_tokens or {}, max_tokens),
-                       stream=body.stream)
+        if max_tokens > room:
+            raise APIError(400, f"max_tokens ({max_tokens}) exceeds the {room} new tokens this prompt leaves room for",
+                           code="context_length_exceeded", param="max_tokens")
+        if method.name == "dd2":
+            if body.fixed_tokens:
+                raise APIError(400, "fixed_tokens (pinning) is served for the ar method only", param="fixed_tokens")
+            sampling = dd2_sampling(body.steps, body.guidance_scale, body.preset)
+        else:
+            sampling = SamplingConfig(body.temperature, body.top_k, body.top_p)
+        return Request(ids, max_tokens, sampling, stop=body.stop_list(), seed=body.seed,
+                       fixed=pins(body.fixed_tokens or {}, max_tokens), stream=body.stream)
 
     def pins(fixed: dict[int, int | str], max_tokens: int) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -234,7 +243,7 @@ def create_app(model, tokenizer, meta: dict, model_id: str, *, max_batch_size: i
     def summary(req: Request) -> dict:
         """diffar's extension of a response: speed, and the tokens one by one (for pinning)."""
         latency = time.perf_counter() - req.submitted
-        return {"method": "ar", "latency_ms": round(1000 * latency, 1),
+        return {"method": method.name, "latency_ms": round(1000 * latency, 1),
                 "tokens_per_s": round(len(req.tokens) / latency, 1) if latency > 0 else None,
                 "token_ids": req.tokens, "tokens": [tokenizer.decode([t]) for t in req.tokens],
                 "fixed_positions": sorted(req.fixed)}

@@ -1,11 +1,12 @@
 """Dynamic batching: requests that arrive within a short window are decoded together.
 
-A single worker thread owns the model. It takes the oldest waiting request, waits up to `window_ms` for
+A single worker thread owns the model and its decoding method (serving/methods.py). It takes the oldest waiting request, waits up to `window_ms` for
 more with the same sampling settings (up to `max_batch_size`), and decodes them as one left-padded batch;
 each row stops on its own (eos, its token budget, a stop string, or its client going away). Tokens are
 handed to the asyncio side as they are produced, so streaming clients see them live. The waiting line is
 bounded: a full line refuses new requests instead of growing without limit.
-A seeded sampled request runs in a batch of its own, so its output is reproducible under any load.
+A seeded sampled request (and a seeded DD2 request: DD2 always draws its starting noise) runs in a batch of
+its own, so its output is reproducible under any load.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diffar.decoding.ar import generate
+from diffar.decoding.dd2 import DD2Sampling
 from diffar.decoding.sampling import SamplingConfig
 from diffar.tokenizer import Tokenizer
 
@@ -45,7 +46,7 @@ class Event:
 class Request:
     prompt_ids: list[int]
     max_tokens: int
-    sampling: SamplingConfig
+    sampling: SamplingConfig | DD2Sampling
     stop: tuple[str, ...] = ()
     seed: int | None = None
     fixed: dict[int, int] = field(default_factory=dict)  # output position -> pinned token
@@ -62,7 +63,7 @@ class Request:
     def batch_key(self) -> tuple:
         """Requests batch together only when one sampling procedure serves them all. A seeded sampled
         request runs alone, so its output depends on its seed and not on who else was waiting."""
-        if self.sampling.greedy:
+        if isinstance(self.sampling, SamplingConfig) and self.sampling.greedy:
             return (self.sampling,)
         return (self.sampling, id(self)) if self.seed is not None else (self.sampling,)
 
@@ -120,11 +121,11 @@ class BatchStats:
 
 
 class Engine:
-    """Owns one AR model and its worker thread."""
+    """Owns one model's decoding method (ARMethod or DD2Method) and the worker thread that runs it."""
 
-    def __init__(self, model, tokenizer: Tokenizer, *, max_batch_size: int = 16, window_ms: float = 10.0,
+    def __init__(self, method, tokenizer: Tokenizer, *, max_batch_size: int = 16, window_ms: float = 10.0,
                  max_queue: int = 4096, on_batch=None):
-        self.model, self.tokenizer = model, tokenizer
+        self.method, self.tokenizer = method, tokenizer
         self.max_batch_size, self.window, self.max_queue = max_batch_size, window_ms / 1000, max_queue
         self.on_batch = on_batch  # called with BatchStats after every batch (metrics)
         self.incoming: queue.SimpleQueue[Request] = queue.SimpleQueue()
@@ -133,10 +134,6 @@ class Engine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="diffar-engine", daemon=True)
-
-    @property
-    def context(self) -> int:
-        return self.model.config.max_seq_len
 
     @property
     def alive(self) -> bool:
@@ -188,7 +185,7 @@ class Engine:
             nxt = self._next(timeout=max(0.0, deadline - time.perf_counter()))
             if nxt is None:
                 break
-            fits = max(longest, len(nxt.prompt_ids)) + max(budget, nxt.max_tokens) <= self.context
+            fits = self.method.fits(max(longest, len(nxt.prompt_ids)), max(budget, nxt.max_tokens))
             if nxt.batch_key() == key and fits:
                 batch.append(nxt)
                 longest, budget = max(longest, len(nxt.prompt_ids)), max(budget, nxt.max_tokens)
@@ -212,16 +209,12 @@ class Engine:
                         r.emit(Event(finish_reason="error", error=f"{type(e).__name__}: {e}"))
 
     def _decode(self, batch: list[Request]) -> None:
-        tok = self.tokenizer
         generator = torch.Generator().manual_seed(batch[0].seed) if batch[0].seed is not None else None
         t0 = time.perf_counter()
-        generate(self.model, [r.prompt_ids for r in batch], max(r.max_tokens for r in batch),
-                 pad_id=tok.pad_id, eos_id=tok.eos_id, sampling=batch[0].sampling,
-                 on_token=lambda row, token: batch[row].push(token, tok), generator=generator,
-                 fixed=[r.fixed for r in batch])
+        self.method.decode(batch, generator)
         seconds = time.perf_counter() - t0
         cancelled = sum(r.cancelled.is_set() for r in batch)  # before finish(): consumers then mark theirs done
         for r in batch:
-            r.finish(tok)
+            r.finish(self.tokenizer)
         if self.on_batch:
             self.on_batch(BatchStats(len(batch), sum(len(r.tokens) for r in batch), seconds, cancelled))

@@ -1,7 +1,8 @@
 """The OpenAI-compatible request bodies (plus diffar's own fields) and the error shape.
 
-Only what diffar can honour is accepted: n must be 1, and the diffusion knobs are validated even
-while the AR method ignores them, so a client learns about a typo at once.
+Only what diffar can honour is accepted: n must be 1, and every knob is validated even where the served
+method ignores it (AR: steps, guidance_scale, preset; DD2: temperature, top_k, top_p), so a client learns
+about a typo at once.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class GenerationFields(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     # diffar's own
-    method: str = "ar"
+    method: str | None = None  # None: the method the server serves
     top_k: int = Field(default=0, ge=0)
     steps: int | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0.0)

@@ -1,0 +1,82 @@
+"""What the serving engine needs to know about a decoding method: how a prompt becomes the model's input,
+how many new tokens that input leaves room for, whether requests fit one batch, and how a batch is decoded
+(each row's tokens go to its request through `Request.push`, which applies budgets and stop strings).
+
+- `ARMethod`: KV-cached AR decoding; tokens reach the requests as they are produced.
+- `DD2Method`: DD2 sampling (one step by default, or a request's `steps` / `preset`); every row's text is
+  ready after the last denoising step, so a stream gets it in one burst.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffar.data.batching import prompt_ids
+from diffar.decoding.ar import generate
+from diffar.decoding.dd2 import DD2Sampling, dd2_generate
+from diffar.tokenizer import Tokenizer
+
+
+class ARMethod:
+    name = "ar"
+
+    def __init__(self, model, tokenizer: Tokenizer, task: str):
+        self.model, self.tokenizer, self.task = model, tokenizer, task
+        self.context = model.config.max_seq_len
+
+    def prompt(self, text: str) -> list[int]:
+        return prompt_ids(self.tokenizer, self.task, text)
+
+    def room(self, ids: list[int]) -> int:
+        return self.context - len(ids)
+
+    def fits(self, longest_prompt: int, budget: int) -> bool:
+        """Whether rows with these longest prompt and largest budget share one cache."""
+        return longest_prompt + budget <= self.context
+
+    def decode(self, batch: list, generator: torch.Generator | None) -> None:
+        tok = self.tokenizer
+        generate(self.model, [r.prompt_ids for r in batch], max(r.max_tokens for r in batch),
+                 pad_id=tok.pad_id, eos_id=tok.eos_id, sampling=batch[0].sampling,
+                 on_token=lambda row, token: batch[row].push(token, tok), generator=generator,
+                 fixed=[r.fixed for r in batch])
+
+
+class DD2Method:
+    name = "dd2"
+
+    def __init__(self, model, tokenizer: Tokenizer, task: str):
+        self.model, self.tokenizer, self.task = model, tokenizer, task
+        self.vq = model.config.vqvae
+
+    def prompt(self, text: str) -> list[int]:
+        """The source a DD2 model reads: the whole text (seq2seq) or its last `prompt_len` tokens."""
+        ids = self.tokenizer.encode(text)
+        return ids if self.task == "seq2seq" else ids[-self.vq.prompt_len:]
+
+    def room(self, ids: list[int]) -> int:
+        """The canvas width: sized by the source for seq2seq (whose text ends at <eos> within it), fixed
+        for continuation. A source longer than the model reads leaves no room."""
+        if self.task != "seq2seq":
+            return self.vq.target_len
+        return self.vq.width(len(ids)) if len(ids) <= self.model.config.max_source_len else 0
+
+    def fits(self, longest_prompt: int, budget: int) -> bool:
+        return True  # each row has its own canvas; room() has bounded both already
+
+    def decode(self, batch: list, generator: torch.Generator | None) -> None:
+        tok = self.tokenizer
+        result = dd2_generate(self.model, [r.prompt_ids for r in batch], max(r.max_tokens for r in batch),
+                              sampling=batch[0].sampling, eos_id=tok.eos_id if self.task == "seq2seq" else None,
+                              pad_id=tok.pad_id, generator=generator)
+        for request, tokens in zip(batch, result.tokens):
+            for token in tokens:
+                if not request.push(token, tok):
+                    break
+
+
+def dd2_sampling(steps: int | None, guidance_scale: float | None, preset: str | None) -> DD2Sampling:
+    """A request's DD2 sampling: a preset with its overrides, or one step (and guidance 1) by default."""
+    if preset:
+        return DD2Sampling.from_preset(preset, steps=steps, guidance_scale=guidance_scale)
+    return DD2Sampling(steps=steps or 1, guidance_scale=1.0 if guidance_scale is None else guidance_scale)
