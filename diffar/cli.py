@@ -488,7 +488,7 @@ def cmd_bench_dd2(args) -> None:
     from diffar.evaluation.bench import bench_dd2, print_table, write_records
 
     records = bench_dd2(args.checkpoint, args.ar, args.corpus, args.prompts, args.new_tokens, args.batch_sizes,
-                        args.methods, args.seed)
+                        args.methods, args.seed, args.split)
     print_table(records)
     write_records(records, args.out)
 
@@ -711,7 +711,9 @@ def build_parser() -> argparse.ArgumentParser:
     bdd.add_argument("--ar", default="checkpoints/ar-kjv2web", help="the AR baseline (and hybrid's continuer)")
     bdd.add_argument("--methods", nargs="+", default=["ar", "dd2-1", "dd2-30", "dd2-50", "dd2-100", "dd2-hybrid"],
                      help="ar, dd2-N (N DDIM steps), dd2-adaptive, dd2-hybrid, dd2-speed, dd2-quality")
-    bdd.add_argument("--corpus", help="prompts from this corpus's test split (default: the checkpoint's corpus)")
+    bdd.add_argument("--corpus", help="prompts from this corpus (default: the checkpoint's corpus)")
+    bdd.add_argument("--split", default="test", choices=("valid", "test"),
+                     help="valid for comparing training choices (ablations), test for the reported figures")
     bdd.add_argument("--prompts", type=_positive_int, default=128)
     bdd.add_argument("--new-tokens", type=_positive_int, default=256, help="continuation: tokens per prompt")
     bdd.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1, 16])

@@ -41,7 +41,7 @@ def bench_ar(checkpoint: str, corpus_name: str | None, batch_sizes: list[int], n
     """KV-cached vs uncached greedy AR at a fixed number of new tokens (eos ignored), batch by batch."""
     model, tokenizer, meta = load_checkpoint(checkpoint)
     model = ar_stream(model)
-    corpus = load_corpus(corpus_name or meta["corpus"], "test")
+    corpus = load_corpus(corpus_name or meta["corpus"], split)
     texts = [p.source for p in corpus.pairs] if corpus.task == "seq2seq" else [d[:400] for d in corpus.documents]
     records = []
     for bs in batch_sizes:
@@ -89,10 +89,10 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
     if any(m.startswith("refusion") for m in methods) and meta["kind"] != "refusion":
         raise DiffarError(f"{checkpoint} is an AR checkpoint; the refusion methods need a ReFusion one")
     draft_model = load_draft(draft, tokenizer) if "ar+draft" in methods else None
-    corpus = load_corpus(corpus_name or meta["corpus"], "test")
+    corpus = load_corpus(corpus_name or meta["corpus"], split)
     texts, references = _prompts(corpus, n_prompts)
     if not texts:
-        raise DiffarError(f"{corpus.name} gives no test prompts")
+        raise DiffarError(f"{corpus.name} gives no {split} prompts")
     eos = tokenizer.eos_id if corpus.task == "seq2seq" else None
     prompts = [prompt_ids(tokenizer, meta["task"], t) for t in texts]
     words = [len(t.split()) for t in texts]
@@ -166,9 +166,10 @@ def dd2_method(name: str) -> DD2Sampling | None:
 
 
 def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_prompts: int, new_tokens: int,
-              batch_sizes: list[int], methods: list[str], seed: int = 0) -> list[BenchRecord]:
+              batch_sizes: list[int], methods: list[str], seed: int = 0, split: str = "test") -> list[BenchRecord]:
     """Greedy AR (KV cache) against DD2 sampling with 1/30/50/100 steps, the seed's presets and hybrid
-    sampling, on the same prompts in the same batches. seq2seq: the test sources, AR stops at eos (at most
+    sampling, on the same prompts in the same batches, from `split` (valid when comparing training choices,
+    so that no choice is tuned on the test split). seq2seq: the sources, AR stops at eos (at most
     2x the longest source + 16 tokens), DD2 fills its canvas; continuation: exactly `new_tokens` per row from
     AR, the canvas (`target_len`) from DD2 (or `new_tokens`, if fewer). Quality: BLEU-4, chrF and ROUGE-L
     against the references, and for continuation the AR model's perplexity of each method's output."""
@@ -180,21 +181,21 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
     if ar_tokenizer.sha256 != tokenizer.sha256:
         raise DiffarError(f"--ar {ar_checkpoint} uses another tokenizer than {checkpoint}")
     samplings = {method: dd2_method(method) for method in methods}
-    corpus = load_corpus(corpus_name or meta["corpus"], "test")
+    corpus = load_corpus(corpus_name or meta["corpus"], split)
     if corpus.task != meta["task"]:
         raise DiffarError(f"{corpus.name} is a {corpus.task} corpus but the checkpoint was trained for {meta['task']}")
     texts, references = _prompts(corpus, n_prompts)
     if not texts:
-        raise DiffarError(f"{corpus.name} gives no test prompts")
+        raise DiffarError(f"{corpus.name} gives no {split} prompts")
     seq2seq = corpus.task == "seq2seq"
     eos = tokenizer.eos_id if seq2seq else None
     prompts = [prompt_ids(tokenizer, meta["task"], t) for t in texts]
     fits = [not seq2seq or len(p) - 1 <= model.config.max_source_len for p in prompts]
     if not all(fits):  # sources longer than the denoiser reads are left out for every method alike
-        print(f"note: {fits.count(False)} test sources longer than {model.config.max_source_len} tokens left out")
+        print(f"note: {fits.count(False)} {split} sources longer than {model.config.max_source_len} tokens left out")
         prompts, references = [p for p, ok in zip(prompts, fits) if ok], [r for r, ok in zip(references, fits) if ok]
         if not prompts:
-            raise DiffarError(f"no test source of {corpus.name} fits the model's {model.config.max_source_len} tokens")
+            raise DiffarError(f"no {split} source of {corpus.name} fits the model's {model.config.max_source_len} tokens")
     sources = [p[:-1] if seq2seq else p[-model.config.vqvae.prompt_len:] for p in prompts]
     records = []
     for bs in batch_sizes:
@@ -222,7 +223,7 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
                 steps.append(getattr(r, "steps", None))
             new = sum(map(len, outs))
             quality = text_metrics([tokenizer.decode(o).strip() for o in outs], references)
-            extra = {"prompts": len(prompts), "steps": steps[0] if len(set(steps)) == 1 else "adaptive",
+            extra = {"split": split, "prompts": len(prompts), "steps": steps[0] if len(set(steps)) == 1 else "adaptive",
                      "guidance_scale": sampling.guidance_scale if sampling else None,
                      "tau_max": sampling.tau_max if sampling else None, **quality}
             if not seq2seq:
