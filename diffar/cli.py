@@ -193,7 +193,8 @@ def _dd2_start(args, prediction: str):
     if init is None and vqvae is None:
         raise DiffarError("pass --vqvae CHECKPOINT (diffar train vqvae) or --init DD2_CHECKPOINT")
     overrides = {k: getattr(args, k) for k in ("schedule", "cond_drop", "mse_weight", "ce_weight", "bleu_weight",
-                                               "semantic_weight") if getattr(args, k, None) is not None}
+                                               "semantic_weight", "refine_prob")
+                 if getattr(args, k, None) is not None}
     overrides["prediction"] = prediction
     if init is not None:
         cfg = DD2Config.from_dict({**init.config.to_dict(), **overrides})
@@ -630,6 +631,9 @@ def build_parser() -> argparse.ArgumentParser:
     dd.add_argument("--ce-weight", type=float, help="token cross-entropy through the decoder (default 1)")
     dd.add_argument("--bleu-weight", type=float, help="minimum-risk expected-BLEU loss (default 0)")
     dd.add_argument("--semantic-weight", type=float, help="1 - cosine of mean embeddings (default 0)")
+    dd.add_argument("--refine-prob", type=float,
+                    help="share of the t < 1 examples noised from the model's own one-step draft, so that "
+                         "few-step sampling refines drafts (default 0)")
     _add_dd2_flags(dd, corpora)
     dd.set_defaults(func=cmd_distill_dd2)
 

@@ -83,6 +83,26 @@ def test_distillation_loss_weights_are_applied_as_configured(weights):
     assert all(p.grad is None for p in model.vqvae.parameters())  # the autoencoder stays frozen
 
 
+@pytest.mark.parametrize("refine_prob", [0.0, 1.0])
+def test_refinement_examples_are_noised_one_step_drafts(refine_prob):
+    """With refine_prob, a t < 1 example's input is what DDIM feeds its second step: the network's own
+    one-step draft x1 from noise z1, noised to t with that same z1."""
+    model = random_dd2(prediction="x0", full_noise_prob=0.0, refine_prob=refine_prob, cond_drop=0.0)
+    calls, forward = [], model.denoiser.forward
+    model.denoiser.forward = lambda z, t, s, m: calls.append((z.clone(), t.clone())) or forward(z, t, s, m)
+    targets = torch.randint(5, VOCAB, (3, 10))
+    source, mask = torch.randint(5, VOCAB, (3, 6)), torch.ones(3, 6, dtype=torch.bool)
+    model(source, mask, targets)
+    if not refine_prob:
+        assert len(calls) == 1  # the true latents, noised: no draft made
+        return
+    (start, t1), (z_t, t) = calls
+    assert torch.all(t1 == 1) and torch.all(t < 1)
+    a = model.schedule.alpha_bar(t).view(-1, 1, 1)
+    with torch.no_grad():
+        torch.testing.assert_close(z_t, a.sqrt() * forward(start, t1, source, mask) + (1 - a).sqrt() * start)
+
+
 def test_eps_loss_is_the_noise_mse():
     model = random_dd2(prediction="eps", cond_drop=0.0)
     targets = torch.randint(5, VOCAB, (2, 10))
@@ -129,7 +149,7 @@ def test_bleu_risk_gradient_favours_the_better_draw():
 @pytest.mark.parametrize("bad, message", [
     (dict(prediction="v"), "unknown prediction"), (dict(cond_drop=1.0), "cond_drop"),
     (dict(ce_weight=-1.0), "loss weights"), (dict(schedule="sqrt"), "unknown noise schedule"),
-    (dict(bleu_samples=1), "bleu_samples"),
+    (dict(bleu_samples=1), "bleu_samples"), (dict(refine_prob=1.5), "refine_prob"),
 ])
 def test_bad_config(bad, message):
     with pytest.raises(DiffarError, match=message):
@@ -202,7 +222,19 @@ def test_one_step_is_the_network_output_decoded():
         source[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), True
     with torch.no_grad():
         ids = model.decode(model.denoiser(z, torch.ones(2), source, mask)).argmax(-1).tolist()
-    assert result.tokens == [row[:row.index(EOS)] if EOS in row else row for row in ids]
+    ends = [next((i for i, t in enumerate(row) if t in (EOS, 0)), len(row)) for row in ids]
+    assert result.tokens == [row[:end] for row, end in zip(ids, ends)]
+
+
+def test_seq2seq_text_ends_at_eos_or_padding():
+    """A one-step canvas often marks the end of its text by padding alone: the text stops at the first <eos>
+    or <pad> (so padding is never counted as generated tokens); a continuation canvas has no end."""
+    canvases = torch.tensor([[7, 8, 0, 9, EOS, 0], [7, EOS, 8, 0, 0, 0], [7, 8, 9, 10, 11, 12]])
+    model = random_dd2(prediction="x0", eos_id=EOS)
+    model.decode = lambda z0: F.one_hot(canvases[:, :z0.shape[1]], VOCAB).float()
+    src = [[5, 6, 7]] * 3
+    assert dd2_generate(model, src, 50, eos_id=EOS).tokens == [[7, 8], [7], [7, 8, 9, 10, 11, 12]]
+    assert dd2_generate(model, src, 50, eos_id=None).tokens == canvases.tolist()
 
 
 def test_snapshots_and_max_new():

@@ -99,7 +99,7 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
     """Sample a canvas per source and return its text, at most `max_new` tokens per row.
 
     seq2seq models (config.eos_id set) size each canvas by the source (`VQVAEConfig.width`) and end each row
-    at its first <eos>; continuation models fill `target_len` positions. `on_step(i, rows)` sees the tokens
+    at its first <eos> or <pad>; continuation models fill `target_len` positions. `on_step(i, rows)` sees the tokens
     read out after denoising step i (for streaming snapshots)."""
     if max_new <= 0:
         raise DiffarError(f"max_new must be positive, got {max_new}")
@@ -123,22 +123,24 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
         passes += 1
         if on_step is not None and scheduler.next_time(t) > 0:
             on_step(i, _rows(read_tokens(model.decode(scheduler.x0_hat(out, t, z)), sampling.tau(t), generator),
-                             eos_id, max_new))
+                             eos_id, pad_id, max_new))
             decoder_passes += 1
         last_t = t
         z = scheduler.step(out, t, z, generator)
-    tokens = _rows(read_tokens(model.decode(z), sampling.tau(last_t), generator), eos_id, max_new)
+    tokens = _rows(read_tokens(model.decode(z), sampling.tau(last_t), generator), eos_id, pad_id, max_new)
     decoder_passes += 1
     if on_step is not None:
         on_step(steps - 1, tokens)
     return DD2Result(tokens, time.perf_counter() - t0, steps, passes, decoder_passes, list(map(len, sources)))
 
 
-def _rows(ids: torch.Tensor, eos_id: int | None, max_new: int) -> list[list[int]]:
+def _rows(ids: torch.Tensor, eos_id: int | None, pad_id: int, max_new: int) -> list[list[int]]:
+    """Each canvas's text: a seq2seq canvas (eos_id set) ends at its first <eos> or <pad> (the text's end is
+    one position, the padding after it many, so a one-step canvas often marks the end by its padding alone)."""
     rows = []
     for row in ids.tolist():
-        if eos_id is not None and eos_id in row:
-            row = row[:row.index(eos_id)]
+        if eos_id is not None:
+            row = row[:next((i for i, t in enumerate(row) if t in (eos_id, pad_id)), len(row))]
         rows.append(row[:max_new])
     return rows
 

@@ -15,6 +15,11 @@ Two parameterisations (`prediction`):
   an x0 network makes the one-step jump its plain output. The seed's multi-granularity loss applies here:
       mse_weight * ||z0_hat - z0||^2 + ce_weight * CE(decoder(z0_hat), teacher tokens)
       + bleu_weight * minimum-risk expected BLEU + semantic_weight * (1 - cos(mean embeddings))
+  With `refine_prob`, some of the t < 1 examples are built from the network's own one-step draft x1 instead
+  of the true latent: z_t = sqrt(alpha_bar_t) x1 + sqrt(1 - alpha_bar_t) z1, exactly what DDIM feeds the
+  second step. Trained only on noised true latents, the network trusts z_t at t < 1 and turns a (blurry,
+  off-manifold) draft into garbage; trained on its drafts, it learns to refine them (the iterative
+  refinement of non-autoregressive translation, Lee et al. 2018, arXiv 1802.06901).
 Classifier-free guidance (Ho & Salimans 2022, arXiv 2207.12598): `cond_drop` of the training examples lose
 their source; sampling mixes the conditional and unconditional outputs by `guidance_scale`.
 """
@@ -55,6 +60,7 @@ class DD2Config:
     latent_scale: float = 1.0  # z0 = latent_scale * autoencoder latent: unit variance for the diffusion
     # distillation (prediction "x0")
     full_noise_prob: float = 0.75  # share of training examples at t = 1, where one-step sampling starts
+    refine_prob: float = 0.0  # share of the t < 1 examples noised from the network's own one-step draft
     mse_weight: float = 1.0
     ce_weight: float = 1.0
     bleu_weight: float = 0.0
@@ -72,6 +78,7 @@ class DD2Config:
                                              f"{', '.join(PREDICTIONS)}"),
             (0 <= self.cond_drop < 1, f"cond_drop must be in [0, 1), got {self.cond_drop}"),
             (0 <= self.full_noise_prob <= 1, f"full_noise_prob must be in [0, 1], got {self.full_noise_prob}"),
+            (0 <= self.refine_prob <= 1, f"refine_prob must be in [0, 1], got {self.refine_prob}"),
             (self.latent_scale > 0, f"latent_scale must be positive, got {self.latent_scale}"),
             (self.bleu_samples > 1, f"bleu_samples must be at least 2, got {self.bleu_samples}"),
         ]
@@ -201,12 +208,27 @@ class DD2Model(nn.Module):
         noise = torch.randn_like(z0)
         z_t = self.schedule.q_sample(z0, t, noise)
         keep = (torch.rand(B, 1, device=z0.device) >= cfg.cond_drop) if self.training else True
+        if cfg.prediction == "x0" and cfg.refine_prob:
+            z_t = self._from_drafts(z_t, t, source, source_mask & keep)
         out = self.denoiser(z_t, t, source, source_mask & keep)
         if cfg.prediction == "eps":
             loss = F.mse_loss(out, noise)
             self.loss_parts = {"eps_mse": float(loss.detach())}
             return out, loss
         return out, self._distillation_loss(out, z0, targets)
+
+    def _from_drafts(self, z_t: torch.Tensor, t: torch.Tensor, source: torch.Tensor,
+                     source_mask: torch.Tensor) -> torch.Tensor:
+        """z_t with a `refine_prob` share of the t < 1 rows replaced by DDIM's second-step input: the noised
+        one-step draft (no gradient through the draft)."""
+        rows = ((t < 1) & (torch.rand(len(t), device=t.device) < self.config.refine_prob)).nonzero().squeeze(1)
+        if len(rows) == 0:
+            return z_t
+        start = torch.randn_like(z_t[rows])
+        with torch.no_grad():
+            draft = self.denoiser(start, torch.ones_like(t[rows]), source[rows], source_mask[rows])
+        a = self.schedule.alpha_bar(t[rows]).view(-1, 1, 1).to(z_t.dtype)
+        return z_t.index_put((rows,), a.sqrt() * draft + (1 - a).sqrt() * start)
 
     def _distillation_loss(self, z0_hat: torch.Tensor, z0: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         cfg = self.config
