@@ -1,10 +1,10 @@
 """Dynamic batching: requests that arrive within a short window are decoded together.
 
-A single worker thread owns the model and its decoding method (serving/methods.py). It takes the oldest waiting request, waits up to `window_ms` for
-more with the same sampling settings (up to `max_batch_size`), and decodes them as one left-padded batch;
-each row stops on its own (eos, its token budget, a stop string, or its client going away). Tokens are
-handed to the asyncio side as they are produced, so streaming clients see them live. The waiting line is
-bounded: a full line refuses new requests instead of growing without limit.
+A single worker thread owns the model and its decoding method (serving/methods.py). It takes the oldest
+waiting request, waits up to `window_ms` for more with the same sampling settings (up to `max_batch_size`),
+and decodes them as one batch; each row stops on its own (eos, its token budget, a stop string, or its
+client going away). Tokens are handed to the asyncio side as they are produced, so streaming clients see
+them live. The waiting line is bounded: a full line refuses new requests instead of growing without limit.
 A seeded sampled request (and a seeded DD2 request: DD2 always draws its starting noise) runs in a batch of
 its own, so its output is reproducible under any load.
 """
