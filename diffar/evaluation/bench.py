@@ -41,7 +41,7 @@ def bench_ar(checkpoint: str, corpus_name: str | None, batch_sizes: list[int], n
     """KV-cached vs uncached greedy AR at a fixed number of new tokens (eos ignored), batch by batch."""
     model, tokenizer, meta = load_checkpoint(checkpoint)
     model = ar_stream(model)
-    corpus = load_corpus(corpus_name or meta["corpus"], split)
+    corpus = load_corpus(corpus_name or meta["corpus"], "test")
     texts = [p.source for p in corpus.pairs] if corpus.task == "seq2seq" else [d[:400] for d in corpus.documents]
     records = []
     for bs in batch_sizes:
@@ -89,10 +89,10 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
     if any(m.startswith("refusion") for m in methods) and meta["kind"] != "refusion":
         raise DiffarError(f"{checkpoint} is an AR checkpoint; the refusion methods need a ReFusion one")
     draft_model = load_draft(draft, tokenizer) if "ar+draft" in methods else None
-    corpus = load_corpus(corpus_name or meta["corpus"], split)
+    corpus = load_corpus(corpus_name or meta["corpus"], "test")
     texts, references = _prompts(corpus, n_prompts)
     if not texts:
-        raise DiffarError(f"{corpus.name} gives no {split} prompts")
+        raise DiffarError(f"{corpus.name} gives no test prompts")
     eos = tokenizer.eos_id if corpus.task == "seq2seq" else None
     prompts = [prompt_ids(tokenizer, meta["task"], t) for t in texts]
     words = [len(t.split()) for t in texts]
