@@ -328,7 +328,8 @@ def test_cli_hybrid_and_bench(tiny_dd2, tiny_run, tmp_path):
     assert proc.returncode == 0 and "[dd2-hybrid]" in proc.stderr, proc.stderr
     out = tmp_path / "bench.json"
     proc = run_cli("bench", "dd2", "--checkpoint", tiny_dd2 / "x0", "--ar", tiny_run, "--prompts", "4",
-                   "--batch-sizes", "1", "2", "--methods", "ar", "dd2-1", "dd2-3", "dd2-hybrid", "--split", "valid", "--out", out)
+                   "--batch-sizes", "1", "2", "--methods", "ar", "dd2-1", "dd2-3", "dd2-hybrid", "--split", "valid",
+                   "--out", out)
     assert proc.returncode == 0, proc.stderr
     records = json.loads(out.read_text())
     assert {(r["method"], r["batch_size"]) for r in records} == {

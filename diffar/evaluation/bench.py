@@ -195,7 +195,8 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
         print(f"note: {fits.count(False)} {split} sources longer than {model.config.max_source_len} tokens left out")
         prompts, references = [p for p, ok in zip(prompts, fits) if ok], [r for r, ok in zip(references, fits) if ok]
         if not prompts:
-            raise DiffarError(f"no {split} source of {corpus.name} fits the model's {model.config.max_source_len} tokens")
+            raise DiffarError(f"no {split} source of {corpus.name} fits the model's "
+                              f"{model.config.max_source_len} tokens")
     sources = [p[:-1] if seq2seq else p[-model.config.vqvae.prompt_len:] for p in prompts]
     records = []
     for bs in batch_sizes:
