@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from conftest import TINY_TRAIN, assert_clean_error, random_model, run_cli, start_server
 from diffar.checkpoint import load_checkpoint, write_checkpoint
+from diffar.data.batching import pad_right
 from diffar.decoding.ar import generate
 from diffar.decoding.dd2 import DD2Sampling, adaptive_steps, dd2_generate, hybrid_generate
 from diffar.errors import DiffarError
@@ -220,10 +221,31 @@ def test_one_step_is_the_network_output_decoded():
     mask = torch.zeros_like(source, dtype=torch.bool)
     for i, s in enumerate(src):
         source[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), True
+    widths = [model.config.vqvae.width(len(s)) for s in src]
+    canvas = torch.arange(width) < torch.tensor(widths)[:, None]
     with torch.no_grad():
-        ids = model.decode(model.denoiser(z, torch.ones(2), source, mask)).argmax(-1).tolist()
+        ids = model.decode(model.denoiser(z, torch.ones(2), source, mask, canvas), canvas).argmax(-1).tolist()
+    ids = [row[:w] for row, w in zip(ids, widths)]
     ends = [next((i for i, t in enumerate(row) if t in (EOS, 0)), len(row)) for row in ids]
     assert result.tokens == [row[:end] for row, end in zip(ids, ends)]
+
+
+@pytest.mark.parametrize("guidance", [1.0, 2.0])
+def test_batched_rows_do_not_see_each_others_canvas(guidance):
+    """A batch shares the longest row's canvas width; the positions past a row's own width are masked out of
+    the denoiser and the decoder, so each row's logits are those it gets alone."""
+    model = random_dd2(prediction="x0", eos_id=EOS)
+    src = [[7, 8, 9], list(range(10, 40)), [41, 42, 43, 44, 45, 46]]
+    widths = [model.config.vqvae.width(len(s)) for s in src]
+    z = torch.randn(3, max(widths), model.config.vqvae.d_latent, generator=torch.Generator().manual_seed(2))
+    source, mask = pad_right(src, 0)
+    canvas = torch.arange(max(widths)) < torch.tensor(widths)[:, None]
+    with torch.no_grad():
+        batched = model.decode(model.predict(z, torch.ones(3), source, mask, guidance, canvas), canvas)
+        for i, (s, w) in enumerate(zip(src, widths)):
+            alone = model.decode(model.predict(z[i:i + 1, :w], torch.ones(1), torch.tensor([s]),
+                                               torch.ones(1, len(s), dtype=torch.bool), guidance))
+            torch.testing.assert_close(batched[i, :w], alone[0], atol=1e-4, rtol=1e-4)
 
 
 def test_seq2seq_text_ends_at_eos_or_padding():
@@ -231,7 +253,7 @@ def test_seq2seq_text_ends_at_eos_or_padding():
     or <pad> (so padding is never counted as generated tokens); a continuation canvas has no end."""
     canvases = torch.tensor([[7, 8, 0, 9, EOS, 0], [7, EOS, 8, 0, 0, 0], [7, 8, 9, 10, 11, 12]])
     model = random_dd2(prediction="x0", eos_id=EOS)
-    model.decode = lambda z0: F.one_hot(canvases[:, :z0.shape[1]], VOCAB).float()
+    model.decode = lambda z0, canvas_mask=None: F.one_hot(canvases[:, :z0.shape[1]], VOCAB).float()
     src = [[5, 6, 7]] * 3
     assert dd2_generate(model, src, 50, eos_id=EOS).tokens == [[7, 8], [7], [7, 8, 9, 10, 11, 12]]
     assert dd2_generate(model, src, 50, eos_id=None).tokens == canvases.tolist()

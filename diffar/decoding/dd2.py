@@ -98,7 +98,8 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
                  on_step: Callable[[int, list[list[int]]], None] | None = None) -> DD2Result:
     """Sample a canvas per source and return its text, at most `max_new` tokens per row.
 
-    seq2seq models (config.eos_id set) size each canvas by the source (`VQVAEConfig.width`) and end each row
+    seq2seq models (config.eos_id set) size each canvas by the source (`VQVAEConfig.width`; in a batch the
+    positions past a row's own width are masked out, so batching does not change a row) and end each row
     at its first <eos> or <pad>; continuation models fill `target_len` positions. `on_step(i, rows)` sees the tokens
     read out after denoising step i (for streaming snapshots)."""
     if max_new <= 0:
@@ -111,7 +112,9 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
     device = next(model.parameters()).device
     source, mask = pad_right(sources, pad_id)
     source, mask = source.to(device), mask.to(device)
-    width = max(vq.width(len(s)) for s in sources) if cfg.eos_id is not None else vq.target_len
+    widths = torch.tensor([vq.width(len(s)) if cfg.eos_id is not None else vq.target_len for s in sources])
+    width = int(widths.max())
+    canvas_mask = (torch.arange(width) < widths[:, None]).to(device)
     steps = sampling.steps_for(width)
     scheduler = SCHEDULERS[sampling.sampler](model.schedule, prediction=cfg.prediction)
     scheduler.set_timesteps(steps)
@@ -119,26 +122,31 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
     z = torch.randn(len(sources), width, vq.d_latent, generator=generator).to(device, dtype)
     passes = decoder_passes = 0
     for i, t in enumerate(scheduler.timesteps.tolist()):
-        out = model.predict(z, torch.full((len(z),), t, device=device), source, mask, sampling.guidance_scale)
+        out = model.predict(z, torch.full((len(z),), t, device=device), source, mask, sampling.guidance_scale,
+                            canvas_mask)
         passes += 1
         if on_step is not None and scheduler.next_time(t) > 0:
-            on_step(i, _rows(read_tokens(model.decode(scheduler.x0_hat(out, t, z)), sampling.tau(t), generator),
-                             eos_id, pad_id, max_new))
+            logits = model.decode(scheduler.x0_hat(out, t, z), canvas_mask)
+            on_step(i, _rows(read_tokens(logits, sampling.tau(t), generator), widths, eos_id, pad_id, max_new))
             decoder_passes += 1
         last_t = t
         z = scheduler.step(out, t, z, generator)
-    tokens = _rows(read_tokens(model.decode(z), sampling.tau(last_t), generator), eos_id, pad_id, max_new)
+    logits = model.decode(z, canvas_mask)
+    tokens = _rows(read_tokens(logits, sampling.tau(last_t), generator), widths, eos_id, pad_id, max_new)
     decoder_passes += 1
     if on_step is not None:
         on_step(steps - 1, tokens)
     return DD2Result(tokens, time.perf_counter() - t0, steps, passes, decoder_passes, list(map(len, sources)))
 
 
-def _rows(ids: torch.Tensor, eos_id: int | None, pad_id: int, max_new: int) -> list[list[int]]:
-    """Each canvas's text: a seq2seq canvas (eos_id set) ends at its first <eos> or <pad> (the text's end is
-    one position, the padding after it many, so a one-step canvas often marks the end by its padding alone)."""
+def _rows(ids: torch.Tensor, widths: torch.Tensor, eos_id: int | None, pad_id: int,
+          max_new: int) -> list[list[int]]:
+    """Each canvas's text, within its own width: a seq2seq canvas (eos_id set) ends at its first <eos> or
+    <pad> (the text's end is one position, the padding after it many, so a one-step canvas often marks the
+    end by its padding alone)."""
     rows = []
-    for row in ids.tolist():
+    for row, width in zip(ids.tolist(), widths.tolist()):
+        row = row[:width]
         if eos_id is not None:
             row = row[:next((i for i, t in enumerate(row) if t in (eos_id, pad_id)), len(row))]
         rows.append(row[:max_new])

@@ -116,7 +116,8 @@ def same_weights(a: nn.Module, b: nn.Module) -> bool:
 
 
 class LatentDenoiser(nn.Module):
-    """(z_t (B, N, d_latent), t (B,), source (B, S), source_mask (B, S)) -> eps or z0 (B, N, d_latent)."""
+    """(z_t (B, N, d_latent), t (B,), source (B, S), source_mask (B, S)) -> eps or z0 (B, N, d_latent);
+    `canvas_mask` (B, N) marks the positions each row's canvas has (default: all)."""
 
     def __init__(self, cfg: DD2Config):
         super().__init__()
@@ -134,8 +135,8 @@ class LatentDenoiser(nn.Module):
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, z: torch.Tensor, t: torch.Tensor, source: torch.Tensor,
-                source_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, t: torch.Tensor, source: torch.Tensor, source_mask: torch.Tensor,
+                canvas_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, N, _ = z.shape
         S = source.shape[1]
         if S > self.max_source_len:
@@ -144,7 +145,8 @@ class LatentDenoiser(nn.Module):
         src = self.src_emb(source) + self.segment.weight[0]
         canvas = self.latent_in(z) + self.segment.weight[1] + time
         positions = torch.cat([torch.arange(S, device=z.device), torch.arange(N, device=z.device)])
-        key_mask = torch.cat([source_mask, source_mask.new_ones(B, N)], dim=1)
+        canvas_mask = source_mask.new_ones(B, N) if canvas_mask is None else canvas_mask
+        key_mask = torch.cat([source_mask, canvas_mask], dim=1)
         h = self.stack(torch.cat([src, canvas], dim=1), key_mask, positions)
         return self.latent_out(h[:, S:])
 
@@ -182,18 +184,19 @@ class DD2Model(nn.Module):
         """Token canvases (B, N) -> z0 (B, N, d_latent), scaled for the diffusion."""
         return self.vqvae.encode(canvas) * self.config.latent_scale
 
-    def decode(self, z0: torch.Tensor) -> torch.Tensor:
+    def decode(self, z0: torch.Tensor, canvas_mask: torch.Tensor | None = None) -> torch.Tensor:
         """z0 (B, N, d_latent) -> token logits (B, N, V)."""
-        return self.vqvae.decode(z0 / self.config.latent_scale)
+        return self.vqvae.decode(z0 / self.config.latent_scale, canvas_mask)
 
     def predict(self, z: torch.Tensor, t: torch.Tensor, source: torch.Tensor, source_mask: torch.Tensor,
-                guidance_scale: float = 1.0) -> torch.Tensor:
+                guidance_scale: float = 1.0, canvas_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The network's output with classifier-free guidance: u + w (c - u); w = 1 is conditional only."""
         if guidance_scale == 1.0:
-            return self.denoiser(z, t, source, source_mask)
+            return self.denoiser(z, t, source, source_mask, canvas_mask)
         B = len(z)
         out = self.denoiser(torch.cat([z, z]), torch.cat([t, t]), torch.cat([source, source]),
-                            torch.cat([source_mask, torch.zeros_like(source_mask)]))
+                            torch.cat([source_mask, torch.zeros_like(source_mask)]),
+                            None if canvas_mask is None else torch.cat([canvas_mask, canvas_mask]))
         cond, uncond = out[:B], out[B:]
         return uncond + guidance_scale * (cond - uncond)
 

@@ -126,9 +126,10 @@ class TextVQVAE(nn.Module):
         """tokens (B, N) -> latents (B, N, d_latent): the quantised codes' vectors, or the Gaussian's mean."""
         return self.quantize(tokens)[0]
 
-    def decode(self, z: torch.Tensor) -> torch.Tensor:
-        """latents (B, N, d_latent) -> token logits (B, N, V): every position in one parallel pass."""
-        return self.lm_head(self.decoder(self.from_latent(z)))
+    def decode(self, z: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """latents (B, N, d_latent) -> token logits (B, N, V): every position in one parallel pass. `mask`
+        (B, N): the positions each row's canvas has (default: all), so rows of different widths batch."""
+        return self.lm_head(self.decoder(self.from_latent(z), mask))
 
     def forward(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Reconstruct the canvas `targets` (B, N) -> (logits, CE + bottleneck loss)."""
