@@ -100,8 +100,8 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
 
     seq2seq models (config.eos_id set) size each canvas by the source (`VQVAEConfig.width`; in a batch the
     positions past a row's own width are masked out, so batching does not change a row) and end each row
-    at its first <eos> or <pad>; continuation models fill `target_len` positions. `on_step(i, rows)` sees the tokens
-    read out after denoising step i (for streaming snapshots)."""
+    at its first <eos> or <pad>; continuation models fill `target_len` positions. `on_step(i, rows)` sees
+    the tokens read out after denoising step i (for streaming snapshots)."""
     if max_new <= 0:
         raise DiffarError(f"max_new must be positive, got {max_new}")
     if not sources or any(not s for s in sources):
