@@ -415,4 +415,5 @@ def test_serve_dd2(tiny_dd2, tiny_vqvae, tiny_run):
         proc.terminate()
         proc.wait(timeout=10)
     assert_clean_error(run_cli("serve", "--checkpoint", tiny_vqvae), "does not generate text")
-    assert_clean_error(run_cli("serve", "--checkpoint", tiny_run, "--method", "dd2"), "cannot serve this ar checkpoint")
+    assert_clean_error(run_cli("serve", "--checkpoint", tiny_run, "--method", "dd2"),
+                       "cannot serve this ar checkpoint")

@@ -112,7 +112,7 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
     device = next(model.parameters()).device
     source, mask = pad_right(sources, pad_id)
     source, mask = source.to(device), mask.to(device)
-    widths = torch.tensor([vq.width(len(s)) if cfg.eos_id is not None else vq.target_len for s in sources])
+    widths = torch.tensor([cfg.canvas_width(len(s)) for s in sources])
     width = int(widths.max())
     canvas_mask = (torch.arange(width) < widths[:, None]).to(device)
     steps = sampling.steps_for(width)

@@ -102,6 +102,11 @@ class DD2Config:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def canvas_width(self, source_len: int) -> int:
+        """Canvas positions for a source: sized by it for seq2seq (the text ends at <eos> within it), the
+        autoencoder's `target_len` for continuation."""
+        return self.vqvae.width(source_len) if self.eos_id is not None else self.vqvae.target_len
+
     def stack_config(self) -> TransformerConfig:
         return TransformerConfig(vocab_size=self.vqvae.vocab_size, n_layer=self.n_layer, n_head=self.n_head,
                                  d_model=self.d_model, max_seq_len=max(self.max_source_len, self.vqvae.max_len))

@@ -55,11 +55,9 @@ class DD2Method:
         return ids if self.task == "seq2seq" else ids[-self.vq.prompt_len:]
 
     def room(self, ids: list[int]) -> int:
-        """The canvas width: sized by the source for seq2seq (whose text ends at <eos> within it), fixed
-        for continuation. A source longer than the model reads leaves no room."""
-        if self.task != "seq2seq":
-            return self.vq.target_len
-        return self.vq.width(len(ids)) if len(ids) <= self.model.config.max_source_len else 0
+        """The canvas width (`DD2Config.canvas_width`); a source longer than the model reads leaves none."""
+        cfg = self.model.config
+        return cfg.canvas_width(len(ids)) if len(ids) <= cfg.max_source_len else 0
 
     def fits(self, longest_prompt: int, budget: int) -> bool:
         return True  # each row has its own canvas; room() has bounded both already
