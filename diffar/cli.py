@@ -251,7 +251,8 @@ def cmd_distill_dd2(args) -> None:
     corpus = load_corpus(args.corpus, "train")
     vq = cfg.vqvae
     pairs = canvas_examples(corpus, tokenizer, vq.prompt_len, vq.target_len, stride=vq.prompt_len)
-    pairs = pairs[:args.teacher_examples] if args.teacher_examples else pairs
+    if args.teacher_examples and args.teacher_examples < len(pairs):  # spread evenly: the subset spans the corpus
+        pairs = [pairs[i * len(pairs) // args.teacher_examples] for i in range(args.teacher_examples)]
     seq2seq = corpus.task == "seq2seq"
     prompts = [src + [tokenizer.sep_id] if seq2seq else src for src, _ in pairs]
     budgets = [vq.width(len(src)) - 1 if seq2seq else vq.target_len for src, _ in pairs]
@@ -436,19 +437,18 @@ def cmd_serve(args) -> None:
 
     from diffar.checkpoint import ar_stream, load_checkpoint
     from diffar.serving.app import create_app
-    from diffar.serving.methods import ARMethod, DD2Method
+    from diffar.serving.methods import ARMethod, DD2Method, RefusionMethod
 
-    if args.method == "refusion":
-        raise DiffarError("serving the refusion method is not implemented yet; serve its AR stream with --method ar")
     model, tokenizer, meta = load_checkpoint(args.checkpoint)
     kind = meta["kind"]
-    method = args.method or ("dd2" if kind == "dd2" else "ar")
     if kind not in ("ar", "refusion", "dd2"):
         raise DiffarError(f"{args.checkpoint} is a {kind} checkpoint, which does not generate text")
-    if (method == "dd2") != (kind == "dd2"):
+    method = args.method or kind
+    if method != kind and (method, kind) != ("ar", "refusion"):  # a ReFusion model's AR stream serves as ar
         raise DiffarError(f"--method {method} cannot serve this {kind} checkpoint")
-    served = DD2Method(model, tokenizer, meta["task"]) if method == "dd2" else \
-        ARMethod(ar_stream(model), tokenizer, meta["task"])
+    served = {"ar": lambda: ARMethod(ar_stream(model), tokenizer, meta["task"]),
+              "refusion": lambda: RefusionMethod(model, tokenizer, meta["task"]),
+              "dd2": lambda: DD2Method(model, tokenizer, meta["task"])}[method]()
     app = create_app(served, tokenizer, meta, args.model_id or Path(args.checkpoint).resolve().name,
                      max_batch_size=args.max_batch_size, window_ms=args.batch_window_ms, max_queue=args.max_queue)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, backlog=4096)
@@ -625,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
     dd.add_argument("--vqvae", help="the autoencoder to build on (without --init)")
     dd.add_argument("--init", help="a DD2 checkpoint to start from, e.g. the stage-2 eps model")
     dd.add_argument("--preset", default="small", choices=sorted(DD2_PRESETS))
-    dd.add_argument("--teacher-examples", type=_positive_int, help="distil on the first N training examples")
+    dd.add_argument("--teacher-examples", type=_positive_int, help="distil on N training examples spread evenly over the corpus")
     dd.add_argument("--teacher-batch-size", type=_positive_int, default=32)
     dd.add_argument("--mse-weight", type=float, help="latent MSE (default 1)")
     dd.add_argument("--ce-weight", type=float, help="token cross-entropy through the decoder (default 1)")
@@ -728,7 +728,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with dynamic batching and streaming")
     sv.add_argument("--checkpoint", required=True)
     sv.add_argument("--method", choices=("ar", "dd2", "refusion"),
-                    help="decoding method (default: dd2 for a DD2 checkpoint, else ar; refusion not served yet)")
+                    help="decoding method (default: the checkpoint's kind; a ReFusion checkpoint can also serve its AR "
+                         "stream as ar)")
     sv.add_argument("--model-id", help="the model name clients use (default: the checkpoint folder's name)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)

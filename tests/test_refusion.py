@@ -1,16 +1,20 @@
 """ReFusion: the model's parts, its training loss, and lossless parallel decoding."""
 
+import json
+
+import httpx
 import pytest
 import torch
 
 from diffar.checkpoint import load_checkpoint
+from diffar.data.batching import prompt_ids
 from diffar.decoding.ar import Batch, generate, prefill
 from diffar.decoding.refusion import DiffusionDrafter, DraftSchedule, refusion_generate
 from diffar.decoding.sampling import SamplingConfig
 from diffar.decoding.speculative import DecodeState, speculative_generate
 from diffar.errors import DiffarError
 from diffar.models.refusion import RefusionConfig, RefusionModel
-from tests.conftest import TINY_TRAIN, assert_clean_error, run_cli
+from tests.conftest import TINY_TRAIN, assert_clean_error, run_cli, start_server
 
 VOCAB = 16  # random drafts are then right now and then, wrong mostly: both paths of verification run
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11], [12, 13, 14, 15, 1, 2, 3, 4, 5], [4, 14, 4, 14, 4], [7] * 15,
@@ -267,6 +271,43 @@ def test_cli_generate_and_bench(tiny_refusion, tmp_path):
     for r in records:
         assert r["extra"]["tokens_per_ar_pass"] > 0 and {"bleu4", "rougeL"} <= set(r["extra"])
         assert r["extra"]["exact_match_vs_ar"] == 1.0 or r["method"] not in lossless
+
+
+def test_serve_refusion(tiny_refusion, tiny_run):
+    """A ReFusion checkpoint is served as method refusion: greedy text is its AR stream's (with pins too), a
+    seeded sampled request equals `refusion_generate` with that seed, and a stream carries the same text."""
+    model, tokenizer, meta = load_checkpoint(tiny_refusion)
+    prompt = "And God said, Let there be light: and there was light."
+    ids = prompt_ids(tokenizer, meta["task"], prompt)
+    proc, url = start_server(tiny_refusion)
+    try:
+        assert httpx.get(url + "/v1/models").json()["data"][0]["methods"] == ["refusion"]
+        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0}
+        out = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        plain = generate(model.ar, [ids], 16, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id).tokens[0]
+        assert out["diffar"]["method"] == "refusion" and out["diffar"]["token_ids"] == plain
+        pinned = httpx.post(url + "/v1/completions", json={**body, "fixed_tokens": {"2": 7, "3": 8}}, timeout=60)
+        expected = generate(model.ar, [ids], 16, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
+                            fixed=[{2: 7, 3: 8}]).tokens[0]
+        assert pinned.json()["diffar"]["token_ids"] == expected != plain
+        sampled = {"prompt": prompt, "max_tokens": 16, "temperature": 1.0, "top_k": 20, "seed": 3}
+        seeded = httpx.post(url + "/v1/completions", json=sampled, timeout=60).json()
+        with torch.inference_mode():
+            again = refusion_generate(model, [ids], 16, eos_id=tokenizer.eos_id, sampling=SamplingConfig(1.0, 20),
+                                      generator=torch.Generator().manual_seed(3))
+        assert seeded["diffar"]["token_ids"] == again.tokens[0]
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == out["choices"][0]["text"]
+        r = httpx.post(url + "/v1/completions", json={**body, "method": "dd2"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "method"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert_clean_error(run_cli("serve", "--checkpoint", tiny_refusion, "--method", "dd2"),
+                       "cannot serve this refusion checkpoint")
+    assert_clean_error(run_cli("serve", "--checkpoint", tiny_run, "--method", "refusion"),
+                       "cannot serve this ar checkpoint")
 
 
 def test_cli_two_stages(tiny_run, tokenizer_path, tmp_path):

@@ -99,6 +99,29 @@ def test_eos_inside_a_block_ends_generation(target):
     assert spec.tokens[0] == expected == generate(target, [PROMPTS[2]], 24, pad_id=0, eos_id=eos).tokens[0]
 
 
+def test_pinned_tokens_equal_plain_ar_with_the_same_pins(target):
+    """Pins at the first position, inside a block (where drafts were accepted past them) and at a block's
+    bonus token: each row's output is plain AR's with the same pins, and eos cannot end a row before its
+    last pin."""
+    prompts = PROMPTS + [[3] * 12]
+    free = [generate(target, [p], 30, pad_id=0, eos_id=None).tokens[0] for p in prompts]
+    pins = [{0: 77}, {4: 78, 5: 79, 17: 80}, {3: free[2][3]}, {9: free[3][9] + 1, 25: 81}, {2: 5, 28: 6}]
+    eos = free[1][6]  # a token row 1 would say before its last pin
+    for eos_id in (None, eos):
+        plain = generate(target, prompts, 30, pad_id=0, eos_id=eos_id, fixed=pins).tokens
+        assert plain[0][0] == 77 and plain[1][4:6] == [78, 79] and len(plain[1]) > 17
+        oracle = NoisyOracle(prompts, plain, error_rate=0.1)  # drafts right through the pins
+        assert speculative_generate(target, oracle, prompts, 30, k=6, eos_id=eos_id, fixed=pins).tokens == plain
+        assert speculative_generate(target, PromptLookup(), prompts, 30, k=6, eos_id=eos_id, fixed=pins).tokens == plain
+
+
+def test_callback_can_stop_one_row(target):
+    free = speculative_generate(target, PromptLookup(), PROMPTS, 20, k=4, eos_id=None).tokens
+    stopped = speculative_generate(target, PromptLookup(), PROMPTS, 20, k=4, eos_id=None,
+                                   on_token=lambda row, token: row != 1).tokens
+    assert stopped[1] == free[1][:1] and [t for r, t in enumerate(stopped) if r != 1] == free[:1] + free[2:]
+
+
 def test_cache_after_rollbacks_equals_a_fresh_prefill(target, drafter):
     prompt = PROMPTS[0]
     spec = speculative_generate(target, DraftModel(drafter), [prompt], 20, k=4, eos_id=None)

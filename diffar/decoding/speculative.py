@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from diffar.decoding.ar import Batch, check_lengths
+from diffar.decoding.ar import Batch, TokenCallback, check_lengths
 from diffar.decoding.sampling import SamplingConfig, probabilities, sample_next
 from diffar.errors import DiffarError
 from diffar.models.transformer import Transformer
@@ -246,13 +245,17 @@ def speculative_generate(
     eos_id: int | None,
     sampling: SamplingConfig = SamplingConfig(),
     generator: torch.Generator | None = None,
-    on_token: Callable[[int, int], object] | None = None,
+    on_token: TokenCallback | None = None,
     adaptive: bool = False,
+    fixed: list[dict[int, int]] | None = None,
 ) -> SpeculativeResult:
-    """Draft-and-verify generation for a batch of prompts; `on_token(row, token)` streams accepted tokens.
+    """Draft-and-verify generation for a batch of prompts; `on_token(row, token)` streams accepted tokens
+    (returning False ends that row).
 
     The proposer drafts up to k tokens per row (`adaptive`: fewer when little gets accepted); rows finish
-    independently (eos, or `max_new_tokens`).
+    independently (eos, `max_new_tokens`, or the callback). `fixed[row]` pins output positions to tokens as
+    in `decode_n_tokens`: a pin replaces whatever the block holds at its position and ends the block there,
+    so greedy output with pins equals plain AR greedy with the same pins.
     """
     if k <= 0:
         raise DiffarError(f"block size (draft length) k must be positive, got {k}")
@@ -275,7 +278,21 @@ def speculative_generate(
     if state.hidden is not None:
         state.hidden[:, :width] = h
     state.write = width
-    first = sample_next(target.lm_head(h[:, -1]), sampling, generator).tolist()
+    pins = fixed or [{} for _ in prompts]
+    last_pin = [max(p, default=-1) for p in pins]
+
+    def no_early_eos(row: int, logits: torch.Tensor) -> torch.Tensor:
+        """A row's logits for its next output positions, eos ruled out before its last pin."""
+        before = last_pin[row] - state.new_tokens(row)
+        if eos_id is None or before <= 0:
+            return logits
+        logits = logits.clone()
+        logits[:before, eos_id] = float("-inf")
+        return logits
+
+    last = target.lm_head(h[:, -1:])
+    first = sample_next(torch.cat([no_early_eos(r, last[r]) for r in range(B)]), sampling, generator).tolist()
+    first = [pins[r].get(0, t) for r, t in enumerate(first)]
     done = state.done
     passes, drafted, accepted_total = 1, 0, 0
     block = AdaptiveBlock(k, adaptive)
@@ -286,9 +303,8 @@ def speculative_generate(
             done[row] = True
             return False
         state.seqs[row].append(t)
-        if on_token:
-            on_token(row, t)
-        done[row] = state.new_tokens(row) >= max_new_tokens
+        stopped = on_token is not None and on_token(row, t) is False
+        done[row] = stopped or state.new_tokens(row) >= max_new_tokens
         return not done[row]
 
     for row, t in enumerate(first):
@@ -311,7 +327,11 @@ def speculative_generate(
             if done[r]:
                 continue
             d = p.tokens
-            n_ok, token = accept(logits[r, :len(d) + 1], d, p.dists, sampling, generator, p.planned)
+            n_ok, token = accept(no_early_eos(r, logits[r, :len(d) + 1]), d, p.dists, sampling, generator, p.planned)
+            at = state.new_tokens(r)  # the output position of d[0]
+            pin = next((j for j in range(n_ok + 1) if at + j in pins[r]), None)
+            if pin is not None:  # the pin stands in for the token at its position; what follows it is unverified
+                n_ok, token = pin, pins[r][at + pin]
             state.valid[r, state.write:state.write + 1 + n_ok] = True
             kept = max(kept, n_ok)
             drafted, accepted_total = drafted + len(d), accepted_total + n_ok

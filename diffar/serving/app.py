@@ -1,6 +1,6 @@
 """The FastAPI app: OpenAI-compatible completions and chat completions over the batching engine,
 server-sent-event streaming, Prometheus metrics, and errors in OpenAI's shape (4xx, never a 500).
-One server serves one model with its decoding method (serving/methods.py): AR or DD2."""
+One server serves one model with its decoding method (serving/methods.py): AR, ReFusion or DD2."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ class Metrics:
 
 def create_app(method, tokenizer, meta: dict, model_id: str, *, max_batch_size: int = 16, window_ms: float = 10.0,
                max_queue: int = 4096) -> FastAPI:
-    """`method`: an ARMethod or DD2Method over the loaded model."""
+    """`method`: an ARMethod, RefusionMethod or DD2Method over the loaded model."""
     metrics = Metrics()
     engine = Engine(method, tokenizer, max_batch_size=max_batch_size, window_ms=window_ms, max_queue=max_queue,
                     on_batch=metrics.observe_batch)
@@ -147,7 +147,7 @@ def create_app(method, tokenizer, meta: dict, model_id: str, *, max_batch_size: 
                            code="context_length_exceeded", param="max_tokens")
         if method.name == "dd2":
             if body.fixed_tokens:
-                raise APIError(400, "fixed_tokens (pinning) is served for the ar method only", param="fixed_tokens")
+                raise APIError(400, "fixed_tokens (pinning) is not served for the dd2 method", param="fixed_tokens")
             sampling = dd2_sampling(body.steps, body.guidance_scale, body.preset)
         else:
             sampling = SamplingConfig(body.temperature, body.top_k, body.top_p)

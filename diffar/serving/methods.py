@@ -3,6 +3,8 @@ how many new tokens that input leaves room for, whether requests fit one batch, 
 (each row's tokens go to its request through `Request.push`, which applies budgets and stop strings).
 
 - `ARMethod`: KV-cached AR decoding; tokens reach the requests as they are produced.
+- `RefusionMethod`: ReFusion's lossless decoding (the diffusion stream drafts blocks, the AR stream verifies
+  them); the AR stream's prompt, room and pins, and tokens reach the requests block by block.
 - `DD2Method`: DD2 sampling (one step by default, or a request's `steps` / `preset`); every row's text is
   ready after the last denoising step, so a stream gets it in one burst.
 """
@@ -14,6 +16,7 @@ import torch
 from diffar.data.batching import prompt_ids
 from diffar.decoding.ar import generate
 from diffar.decoding.dd2 import DD2Sampling, dd2_generate
+from diffar.decoding.refusion import refusion_generate
 from diffar.tokenizer import Tokenizer
 
 
@@ -40,6 +43,20 @@ class ARMethod:
                  pad_id=tok.pad_id, eos_id=tok.eos_id, sampling=batch[0].sampling,
                  on_token=lambda row, token: batch[row].push(token, tok), generator=generator,
                  fixed=[r.fixed for r in batch])
+
+
+class RefusionMethod(ARMethod):
+    name = "refusion"
+
+    def __init__(self, model, tokenizer: Tokenizer, task: str):
+        super().__init__(model.ar, tokenizer, task)
+        self.refusion = model
+
+    def decode(self, batch: list, generator: torch.Generator | None) -> None:
+        tok = self.tokenizer
+        refusion_generate(self.refusion, [r.prompt_ids for r in batch], max(r.max_tokens for r in batch),
+                          eos_id=tok.eos_id, sampling=batch[0].sampling, generator=generator,
+                          on_token=lambda row, token: batch[row].push(token, tok), fixed=[r.fixed for r in batch])
 
 
 class DD2Method:
