@@ -85,8 +85,24 @@ def test_batched_verification_equals_plain_ar_row_by_row(target, adaptive, monke
     assert compactions
 
 
+def test_batched_draft_model(target, drafter, monkeypatch):
+    """The draft model keeps a cache for every row: at batch 6 the output is each row's greedy AR text, even
+    across rollbacks and compactions of the draft cache, and the target drafting for itself is always right
+    (its cache holds exactly each row's text)."""
+    compactions = []
+    compact = DecodeState.compact
+    monkeypatch.setattr(DecodeState, "compact", lambda self, t: (compactions.append(t), compact(self, t)))
+    prompts = PROMPTS + [PROMPTS[0][::-1], [3] * 12]
+    plain = [generate(target, [p], 60, pad_id=0, eos_id=None).tokens[0] for p in prompts]
+    noisy = speculative_generate(target, DraftModel(drafter), prompts, 60, k=8, eos_id=None)
+    assert noisy.tokens == plain and 0 < noisy.accepted < noisy.drafted
+    assert drafter in compactions
+    perfect = speculative_generate(target, DraftModel(copy.deepcopy(target)), prompts, 60, k=5, eos_id=None)
+    assert perfect.tokens == plain and perfect.accepted == perfect.drafted
+
+
 def test_a_perfect_drafter_needs_few_target_passes(target):
-    spec = speculative_generate(target, DraftModel(target), [PROMPTS[0]], 24, k=8, eos_id=None)
+    spec = speculative_generate(target, DraftModel(copy.deepcopy(target)), [PROMPTS[0]], 24, k=8, eos_id=None)
     assert spec.accepted == spec.drafted  # the target drafting for itself is always right
     assert spec.target_passes <= 1 + -(-24 // 9)
 
@@ -95,7 +111,7 @@ def test_eos_inside_a_block_ends_generation(target):
     plain = generate(target, [PROMPTS[2]], 24, pad_id=0, eos_id=None).tokens[0]
     eos = plain[5]
     expected = plain[: plain.index(eos)]
-    spec = speculative_generate(target, DraftModel(target), [PROMPTS[2]], 24, k=8, eos_id=eos)
+    spec = speculative_generate(target, DraftModel(copy.deepcopy(target)), [PROMPTS[2]], 24, k=8, eos_id=eos)
     assert spec.tokens[0] == expected == generate(target, [PROMPTS[2]], 24, pad_id=0, eos_id=eos).tokens[0]
 
 
@@ -179,3 +195,8 @@ def test_sampled_generation_matches_ar_distribution():
 def test_bad_draft_length(target):
     with pytest.raises(DiffarError, match="k must be positive"):
         speculative_generate(target, PromptLookup(), [PROMPTS[0]], 4, k=0, eos_id=None)
+
+
+def test_the_target_cannot_draft_for_itself_in_place(target):
+    with pytest.raises(DiffarError, match="share one KV cache"):
+        speculative_generate(target, DraftModel(target), [PROMPTS[0]], 4, k=2, eos_id=None)

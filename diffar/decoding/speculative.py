@@ -114,47 +114,74 @@ class DecodeState:
 
 
 class DraftModel:
-    """Drafts with a small AR model of the same tokenizer, keeping its own KV cache in step with the text.
-    One prompt at a time: its cache has no per-row bookkeeping."""
+    """Drafts with a small AR model of the same tokenizer. It keeps its own KV cache with the verifier's
+    per-row bookkeeping (a `DecodeState` over the draft model): before drafting, each row's cached tokens
+    are checked against its text, slots past the first difference are invalidated (a rollback), and the
+    rest of the text is fed in one pass for all rows; then k - 1 single-token steps draft for every row."""
 
     needs_hidden = False
 
     def __init__(self, model: Transformer):
-        self.model, self.cached, self.passes = model, 0, 0
+        self.model, self.passes = model, 0
 
     def start(self, batch_size: int, max_len: int) -> None:
-        if batch_size != 1:
-            raise DiffarError("a draft model drafts for one prompt at a time (batch size 1)")
-        self.model.setup_cache(1, max_len)
-        self.cached, self.passes = 0, 0
+        self.slots = 2 * max_len + 8  # room for rejected drafts between compactions
+        self.model.setup_cache(batch_size, self.slots)
+        self.state = DecodeState(seqs=[[0] for _ in range(batch_size)], prompt_lengths=[0] * batch_size,
+                                 max_new_tokens=max_len, valid=torch.zeros(batch_size, self.slots, dtype=torch.bool),
+                                 hidden=None, write=0, done=[False] * batch_size)
+        self.passes = 0
 
-    def _feed(self, tokens: list[int]) -> torch.Tensor:
-        one_row = Batch(torch.tensor([tokens]), torch.zeros(1, dtype=torch.long))
-        logits, _ = self.model(one_row.tokens, positions=one_row.positions(self.cached, len(tokens)),
-                               attn_mask=one_row.attn_mask(self.cached, len(tokens)), cache_start=self.cached)
-        self.cached, self.passes = self.cached + len(tokens), self.passes + 1
-        return logits[0, -1]
+    def _feed(self, blocks: list[list[int]]) -> torch.Tensor:
+        """Feed each row's tokens (as many as it has, maybe none) at the same slots -> each row's logits after
+        its last one (B, V); rows with no tokens get garbage."""
+        ds, n = self.state, max(map(len, blocks))
+        if ds.write + n > self.slots:
+            ds.compact(self.model)
+        tokens = torch.zeros(len(blocks), n, dtype=torch.long)
+        for r, block in enumerate(blocks):
+            tokens[r, :len(block)] = torch.tensor(block, dtype=torch.long)
+        h = ds.feed(self.model, tokens)
+        for r, block in enumerate(blocks):
+            ds.valid[r, ds.write:ds.write + len(block)] = True
+        ds.write += n
+        self.passes += 1
+        return self.model.lm_head(h[torch.arange(len(blocks)), torch.tensor([max(len(b), 1) - 1 for b in blocks])])
 
     def propose(self, state: DecodeState, k: int, sampling: SamplingConfig, generator) -> list[Draft]:
-        """k drafts following the text, with the distributions they were drawn from (None when greedy)."""
-        seq = state.seqs[0]
-        logits = self._feed(seq[self.cached:])
-        drafts, dists = [], []
-        for i in range(k):
-            if sampling.greedy:
-                token, dist = int(logits.argmax()), None
-            else:
-                dist = probabilities(logits.unsqueeze(0), sampling)[0]
-                token = int(torch.multinomial(dist, 1, generator=generator))
-            drafts.append(token)
-            dists.append(dist)
-            if i < k - 1:
-                logits = self._feed([token])
-        return [Draft(drafts, dists)]
+        """k drafts per row following its text, with the distributions they were drawn from (None: greedy)."""
+        ds, B = self.state, len(state.seqs)
+        rows = [r for r in range(B) if not state.done[r]]
+        blocks: list[list[int]] = [[] for _ in range(B)]
+        for r in rows:
+            text, cached = state.seqs[r], ds.seqs[r][:-1]
+            same = next((i for i, (a, b) in enumerate(zip(cached, text)) if a != b), min(len(cached), len(text)))
+            same = min(same, len(text) - 1)  # the text's last token is always fed: the drafts follow it
+            ds.valid[r, ds.valid[r].nonzero().squeeze(1)[same:]] = False
+            ds.seqs[r] = text[:same + 1]  # DecodeState's convention: all in the cache but the last token
+            blocks[r] = text[same:]
+        logits = self._feed(blocks)
+        drafts: list[list[int]] = [[] for _ in range(B)]
+        dists: list[list] = [[] for _ in range(B)]
+        # no row drafts past what the verifier can still take (nor, so, past the model's context)
+        wanted = {r: max(1, min(k, state.max_new_tokens - state.new_tokens(r) - 1)) for r in rows}
+        for i in range(max(wanted.values(), default=0)):
+            rows = [r for r in rows if i < wanted[r]]
+            for r in rows:
+                if sampling.greedy:
+                    token, dist = int(logits[r].argmax()), None
+                else:
+                    dist = probabilities(logits[r:r + 1], sampling)[0]
+                    token = int(torch.multinomial(dist, 1, generator=generator))
+                drafts[r].append(token)
+                dists[r].append(dist)
+                ds.seqs[r] = (ds.seqs[r] if i else list(state.seqs[r])) + [token]  # the new token is not fed yet
+            if any(i + 1 < wanted[r] for r in rows):
+                logits = self._feed([[drafts[r][-1]] if i + 1 < wanted.get(r, 0) else [] for r in range(B)])
+        return [Draft(drafts[r], dists[r]) for r in range(B)]
 
     def keep(self, state: DecodeState) -> None:
-        """Only the text is still right; later cache slots get rewritten."""
-        self.cached = min(self.cached, len(state.seqs[0]) - 1)
+        pass  # propose() reconciles the cache with the text
 
 
 class PromptLookup:
@@ -259,6 +286,8 @@ def speculative_generate(
     """
     if k <= 0:
         raise DiffarError(f"block size (draft length) k must be positive, got {k}")
+    if getattr(proposer, "model", None) is target:
+        raise DiffarError("the draft model cannot be the target model object itself: they would share one KV cache")
     check_lengths(target, prompts, max_new_tokens)
     t0 = time.perf_counter()
     B = len(prompts)
