@@ -625,7 +625,8 @@ def build_parser() -> argparse.ArgumentParser:
     dd.add_argument("--vqvae", help="the autoencoder to build on (without --init)")
     dd.add_argument("--init", help="a DD2 checkpoint to start from, e.g. the stage-2 eps model")
     dd.add_argument("--preset", default="small", choices=sorted(DD2_PRESETS))
-    dd.add_argument("--teacher-examples", type=_positive_int, help="distil on N training examples spread evenly over the corpus")
+    dd.add_argument("--teacher-examples", type=_positive_int,
+                    help="distil on N training examples spread evenly over the corpus")
     dd.add_argument("--teacher-batch-size", type=_positive_int, default=32)
     dd.add_argument("--mse-weight", type=float, help="latent MSE (default 1)")
     dd.add_argument("--ce-weight", type=float, help="token cross-entropy through the decoder (default 1)")

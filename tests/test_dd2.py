@@ -257,6 +257,11 @@ def test_seq2seq_text_ends_at_eos_or_padding():
     src = [[5, 6, 7]] * 3
     assert dd2_generate(model, src, 50, eos_id=EOS).tokens == [[7, 8], [7], [7, 8, 9, 10, 11, 12]]
     assert dd2_generate(model, src, 50, eos_id=None).tokens == canvases.tolist()
+    # a pin past the end: the canvas may not end before it (<pad> and <eos> ruled out there)
+    wide = F.pad(canvases, (0, model.config.canvas_width(3) - canvases.shape[1]))  # pinning re-encodes it all
+    model.decode = lambda z0, canvas_mask=None: F.one_hot(wide, VOCAB).float()
+    pinned = dd2_generate(model, src, 50, eos_id=EOS, fixed=[{4: 30}, {}, {}]).tokens
+    assert pinned == [[7, 8, 1, 9, 30], [7], [7, 8, 9, 10, 11, 12]]
 
 
 def test_snapshots_and_max_new():
@@ -265,10 +270,34 @@ def test_snapshots_and_max_new():
     result = dd2_generate(model, sources(2), 7, sampling=DD2Sampling(steps=3),
                           generator=torch.Generator().manual_seed(0), on_step=lambda i, rows: seen.append(i))
     assert seen == [0, 1, 2] and all(len(row) == 7 for row in result.tokens)
+    # watching a sampled run (tau > 0) does not change it: snapshots draw nothing from its generator
+    hot = DD2Sampling(steps=3, tau_max=1.0, tau_min=0.5)
+    watched = dd2_generate(model, sources(2), 7, sampling=hot, generator=torch.Generator().manual_seed(0),
+                           on_step=lambda i, rows: None)
+    assert watched.tokens == dd2_generate(model, sources(2), 7, sampling=hot,
+                                          generator=torch.Generator().manual_seed(0)).tokens
     with pytest.raises(DiffarError, match="max_new"):
         dd2_generate(model, sources(2), 0)
     with pytest.raises(DiffarError, match="at least one token"):
         dd2_generate(model, [[5], []], 4)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("prediction", ["x0", "eps"])
+def test_pinned_tokens_are_kept_and_change_only_their_row(steps, prediction):
+    model = random_dd2(prediction=prediction, eos_id=EOS)
+    src = sources(3)
+    sampling = DD2Sampling(steps=steps)
+    free = dd2_generate(model, src, 40, sampling=sampling, eos_id=EOS, generator=torch.Generator().manual_seed(0))
+    pins = [{1: 7, 5: 9}, {}, {0: free.tokens[2][0]}]
+    pinned = dd2_generate(model, src, 40, sampling=sampling, eos_id=EOS, fixed=pins,
+                          generator=torch.Generator().manual_seed(0))
+    assert pinned.tokens[0][1] == 7 and pinned.tokens[0][5] == 9 and pinned.tokens[0] != free.tokens[0]
+    assert pinned.tokens[1] == free.tokens[1]  # rows without pins sample as before
+    assert pinned.tokens[2][0] == free.tokens[2][0]
+    assert pinned.decoder_passes == free.decoder_passes + steps  # the pins are re-encoded after every step
+    with pytest.raises(DiffarError, match="within its canvas"):
+        dd2_generate(model, src, 40, eos_id=EOS, fixed=[{}, {99: 5}, {}])
 
 
 def test_hybrid_is_one_step_prefix_then_ar_continuation():
@@ -407,8 +436,22 @@ def test_serve_dd2(tiny_dd2, tiny_vqvae, tiny_run):
         assert "".join(c["choices"][0]["text"] for c in chunks) == out["choices"][0]["text"]
         guided = httpx.post(url + "/v1/completions", json={**body, "steps": 3, "guidance_scale": 2}, timeout=60)
         assert guided.status_code == 200 and guided.json()["diffar"]["method"] == "dd2"
-        for bad, param in [({"method": "ar"}, "method"), ({"fixed_tokens": {"0": 5}}, "fixed_tokens"),
-                           ({"prompt": "word " * 200}, "prompt"), ({"max_tokens": 500}, "max_tokens")]:
+        # a multi-step stream shows the whole text after each step (empty deltas), then the final text
+        quality = {**body, "preset": "quality", "steps": 4}
+        final = httpx.post(url + "/v1/completions", json=quality, timeout=60).json()["choices"][0]["text"]
+        with httpx.stream("POST", url + "/v1/completions", json={**quality, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        snapshots = [c["diffar"]["snapshot"] for c in chunks if "snapshot" in c.get("diffar", {})]
+        assert [s["step"] for s in snapshots] == [1, 2, 3, 4] and snapshots[-1]["text"] == final
+        assert all(c["choices"][0]["text"] == "" for c in chunks if "snapshot" in c.get("diffar", {}))
+        assert "".join(c["choices"][0]["text"] for c in chunks) == final
+        pinned = httpx.post(url + "/v1/completions", json={**body, "fixed_tokens": {"1": 5, "3": 6}}, timeout=60)
+        expected = dd2_generate(model, [tokenizer.encode(prompt)], 12, eos_id=tokenizer.eos_id,
+                                generator=torch.Generator().manual_seed(5), fixed=[{1: 5, 3: 6}])
+        assert pinned.json()["diffar"]["token_ids"] == expected.tokens[0]
+        assert expected.tokens[0][1] == 5 and expected.tokens[0][3] == 6
+        for bad, param in [({"method": "ar"}, "method"), ({"prompt": "word " * 200}, "prompt"),
+                           ({"max_tokens": 500}, "max_tokens")]:
             r = httpx.post(url + "/v1/completions", json={**body, **bad}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     finally:

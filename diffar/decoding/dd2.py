@@ -9,7 +9,8 @@ so a one-step sample (t = 1) decodes at tau_min and many-step samples end near t
 Sampling policies from the seed (section 5.2 and 6): presets `speed` (30 steps, tau 0.7, guidance 1.5) and
 `quality` (100 steps, tau 0.3, guidance 2.0); adaptive steps min(100, 50 + length // 10); and hybrid
 sampling for long outputs: one step for the first (up to) 50 tokens, then an AR model continues that prefix
-with its KV cache (`hybrid_generate`).
+with its KV cache (`hybrid_generate`). Pinned tokens (`Pins`) are written into the latent canvas after every
+step, and `on_step` watches the text form step by step.
 """
 
 from __future__ import annotations
@@ -92,16 +93,48 @@ def read_tokens(logits: torch.Tensor, tau: float, generator: torch.Generator | N
     return torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(probs.shape[:-1])
 
 
+class Pins:
+    """Tokens a person pinned (output position -> token, per row), kept in the latent canvas: after every
+    denoising step the prediction is decoded, the pins are written into its tokens, and the canvas is
+    encoded again, so later steps (and the decoder, which sees the whole canvas) read them as context.
+    Before a row's last pin the canvas may not end (<eos> and <pad> are ruled out there)."""
+
+    def __init__(self, fixed: list[dict[int, int]], widths: list[int], end_ids: tuple[int, ...]):
+        for row, (pins, width) in enumerate(zip(fixed, widths)):
+            if any(not 0 <= pos < width for pos in pins):
+                raise DiffarError(f"row {row}: pinned positions must lie within its canvas of {width} tokens")
+        self.fixed, self.end_ids = fixed, end_ids
+        self.rows = torch.tensor([bool(pins) for pins in fixed]).view(-1, 1, 1)  # rows without pins are left alone
+
+    def guard(self, logits: torch.Tensor) -> torch.Tensor:
+        """Decoder logits (B, N, V) with the canvas's end ruled out before each row's last pin."""
+        logits = logits.clone()
+        for row, pins in enumerate(self.fixed):
+            if pins and self.end_ids:
+                logits[row, :max(pins), list(self.end_ids)] = float("-inf")
+        return logits
+
+    def write(self, ids: torch.Tensor) -> torch.Tensor:
+        for row, pins in enumerate(self.fixed):
+            for pos, token in pins.items():
+                ids[row, pos] = token
+        return ids
+
+
 @torch.inference_mode()
 def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sampling: DD2Sampling = DD2Sampling(),
                  eos_id: int | None = None, pad_id: int = 0, generator: torch.Generator | None = None,
-                 on_step: Callable[[int, list[list[int]]], None] | None = None) -> DD2Result:
+                 on_step: Callable[[int, list[list[int]]], None] | None = None,
+                 fixed: list[dict[int, int]] | None = None) -> DD2Result:
     """Sample a canvas per source and return its text, at most `max_new` tokens per row.
 
     seq2seq models (config.eos_id set) size each canvas by the source (`VQVAEConfig.width`; in a batch the
     positions past a row's own width are masked out, so batching does not change a row) and end each row
     at its first <eos> or <pad>; continuation models fill `target_len` positions. `on_step(i, rows)` sees
-    the tokens read out after denoising step i (for streaming snapshots)."""
+    the tokens after denoising step i (for streaming snapshots): the argmax of each intermediate prediction,
+    so watching does not draw from `generator` and the result is the same with or without it. `fixed[row]`
+    pins output positions to tokens (see `Pins`); the output keeps them, and each pinned step costs one
+    more decoder and encoder pass."""
     if max_new <= 0:
         raise DiffarError(f"max_new must be positive, got {max_new}")
     if not sources or any(not s for s in sources):
@@ -115,6 +148,8 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
     widths = torch.tensor([cfg.canvas_width(len(s)) for s in sources])
     width = int(widths.max())
     canvas_mask = (torch.arange(width) < widths[:, None]).to(device)
+    ends = (eos_id, pad_id) if eos_id is not None else ()
+    pins = Pins(fixed, widths.tolist(), ends) if fixed and any(fixed) else None
     steps = sampling.steps_for(width)
     scheduler = SCHEDULERS[sampling.sampler](model.schedule, prediction=cfg.prediction)
     scheduler.set_timesteps(steps)
@@ -125,14 +160,19 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
         out = model.predict(z, torch.full((len(z),), t, device=device), source, mask, sampling.guidance_scale,
                             canvas_mask)
         passes += 1
+        if pins is not None:
+            ids = pins.write(pins.guard(model.decode(scheduler.x0_hat(out, t, z), canvas_mask)).argmax(-1))
+            out = torch.where(pins.rows, scheduler.output_for(model.latents(ids, canvas_mask).to(dtype), t, z), out)
+            decoder_passes += 1
         if on_step is not None and scheduler.next_time(t) > 0:
             logits = model.decode(scheduler.x0_hat(out, t, z), canvas_mask)
-            on_step(i, _rows(read_tokens(logits, sampling.tau(t), generator), widths, eos_id, pad_id, max_new))
+            on_step(i, _rows(logits.argmax(-1), widths, eos_id, pad_id, max_new))
             decoder_passes += 1
         last_t = t
         z = scheduler.step(out, t, z, generator)
     logits = model.decode(z, canvas_mask)
-    tokens = _rows(read_tokens(logits, sampling.tau(last_t), generator), widths, eos_id, pad_id, max_new)
+    ids = read_tokens(logits if pins is None else pins.guard(logits), sampling.tau(last_t), generator)
+    tokens = _rows(ids if pins is None else pins.write(ids), widths, eos_id, pad_id, max_new)
     decoder_passes += 1
     if on_step is not None:
         on_step(steps - 1, tokens)

@@ -44,6 +44,13 @@ class Scheduler:
         a = self.alpha_bar(t, z_t)
         return (z_t - (1 - a).sqrt() * model_output) / a.sqrt()
 
+    def output_for(self, x0: torch.Tensor, t: float, z_t: torch.Tensor) -> torch.Tensor:
+        """The network output that predicts `x0` from z_t (the inverse of `x0_hat`), e.g. after editing x0."""
+        if self.prediction == "x0":
+            return x0
+        a = self.alpha_bar(t, z_t)
+        return (z_t - a.sqrt() * x0) / (1 - a).sqrt()
+
     def eps_hat(self, model_output: torch.Tensor, t: float, z_t: torch.Tensor) -> torch.Tensor:
         if self.prediction == "eps":
             return model_output

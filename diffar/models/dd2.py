@@ -185,9 +185,9 @@ class DD2Model(nn.Module):
         self.config.latent_scale = float(1 / self.vqvae.encode(canvases).float().std())
 
     @torch.no_grad()
-    def latents(self, canvas: torch.Tensor) -> torch.Tensor:
-        """Token canvases (B, N) -> z0 (B, N, d_latent), scaled for the diffusion."""
-        return self.vqvae.encode(canvas) * self.config.latent_scale
+    def latents(self, canvas: torch.Tensor, canvas_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Token canvases (B, N) -> z0 (B, N, d_latent), scaled for the diffusion; `canvas_mask` as in `decode`."""
+        return self.vqvae.encode(canvas, canvas_mask) * self.config.latent_scale
 
     def decode(self, z0: torch.Tensor, canvas_mask: torch.Tensor | None = None) -> torch.Tensor:
         """z0 (B, N, d_latent) -> token logits (B, N, V)."""

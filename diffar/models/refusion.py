@@ -185,10 +185,12 @@ class TextDiffuser(nn.Module):
                 x = self.fusion[str(i)](x, kv[str(i)], mask)
         return self.out(self.norm(x))
 
-    def logits(self, x0_hat: torch.Tensor) -> torch.Tensor:
-        """Round predicted embeddings against the table: similarity to every token's embedding."""
-        flat = x0_hat.reshape(-1, self.d_model)  # one 2-D matmul (a strided 3-D one runs as a slow bmm)
-        return (F.linear(flat, self.tok_emb.weight) * self.logit_scale.exp()).view(*x0_hat.shape[:-1], -1)
+    def logits(self, x0_hat: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+        """Round predicted embeddings against the table: similarity to every token's embedding. `table`: a
+        copy of the embedding table to round against instead (drafting uses a bf16 one, see DiffusionDrafter)."""
+        table = self.tok_emb.weight if table is None else table
+        flat = x0_hat.reshape(-1, self.d_model).to(table.dtype)  # one 2-D matmul (a strided 3-D one is a slow bmm)
+        return (F.linear(flat, table).to(x0_hat.dtype) * self.logit_scale.exp()).view(*x0_hat.shape[:-1], -1)
 
 
 class RefusionModel(nn.Module):

@@ -118,13 +118,15 @@ class TextVQVAE(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
         self.loss_parts: dict[str, float] = {}
 
-    def quantize(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """tokens (B, N) -> (latents (B, N, d_latent), codes (B, N, groups) or None, the bottleneck's loss)."""
-        return self.bottleneck(self.to_latent(self.encoder(self.tok_emb(tokens))))
+    def quantize(self, tokens: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """tokens (B, N) -> (latents (B, N, d_latent), codes (B, N, groups) or None, the bottleneck's loss);
+        `mask` as in `decode`."""
+        return self.bottleneck(self.to_latent(self.encoder(self.tok_emb(tokens), mask)))
 
-    def encode(self, tokens: torch.Tensor) -> torch.Tensor:
+    def encode(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, N) -> latents (B, N, d_latent): the quantised codes' vectors, or the Gaussian's mean."""
-        return self.quantize(tokens)[0]
+        return self.quantize(tokens, mask)[0]
 
     def decode(self, z: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """latents (B, N, d_latent) -> token logits (B, N, V): every position in one parallel pass. `mask`

@@ -146,8 +146,6 @@ def create_app(method, tokenizer, meta: dict, model_id: str, *, max_batch_size: 
             raise APIError(400, f"max_tokens ({max_tokens}) exceeds the {room} new tokens this prompt leaves room for",
                            code="context_length_exceeded", param="max_tokens")
         if method.name == "dd2":
-            if body.fixed_tokens:
-                raise APIError(400, "fixed_tokens (pinning) is not served for the dd2 method", param="fixed_tokens")
             sampling = dd2_sampling(body.steps, body.guidance_scale, body.preset)
         else:
             sampling = SamplingConfig(body.temperature, body.top_k, body.top_p)
@@ -222,6 +220,8 @@ def create_app(method, tokenizer, meta: dict, model_id: str, *, max_batch_size: 
                              "model": model_id, "choices": [choice(ev.text, ev.finish_reason, first)]}
                     if ev.finish_reason:
                         chunk["diffar"] = summary(req)
+                    elif ev.snapshot:  # no text delta: clients that only append text see nothing
+                        chunk["diffar"] = {"method": method.name, "snapshot": ev.snapshot}
                     first = False
                     yield f"data: {json.dumps(chunk)}\n\n"
                 yield "data: [DONE]\n\n"

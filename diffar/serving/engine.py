@@ -40,6 +40,7 @@ class Event:
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | None while running
     error: str | None = None
+    snapshot: dict | None = None  # a multi-step DD2 sample's whole text after one denoising step
 
 
 @dataclass
@@ -93,6 +94,11 @@ class Request:
         if not text.endswith("\ufffd"):  # else half of a multi-byte character: wait for the rest
             self._show(text[: len(text) - _stop_prefix_len(text, self.stop)])
         return len(self.tokens) < self.max_tokens
+
+    def snapshot(self, step: int, tokens: list[int], tokenizer: Tokenizer) -> None:
+        """Stream the whole text as it stands after denoising step `step` (1-based); it may still change."""
+        if self.stream and not self.cancelled.is_set():
+            self.emit(Event(snapshot={"step": step, "text": tokenizer.decode(tokens[:self.max_tokens])}))
 
     def finish(self, tokenizer: Tokenizer) -> None:
         if not self.stop_hit:

@@ -5,8 +5,9 @@ how many new tokens that input leaves room for, whether requests fit one batch, 
 - `ARMethod`: KV-cached AR decoding; tokens reach the requests as they are produced.
 - `RefusionMethod`: ReFusion's lossless decoding (the diffusion stream drafts blocks, the AR stream verifies
   them); the AR stream's prompt, room and pins, and tokens reach the requests block by block.
-- `DD2Method`: DD2 sampling (one step by default, or a request's `steps` / `preset`); every row's text is
-  ready after the last denoising step, so a stream gets it in one burst.
+- `DD2Method`: DD2 sampling (one step by default, or a request's `steps` / `preset`; pins kept in the
+  latent canvas); every row's text is ready after the last denoising step, so a stream gets it in one
+  burst, after (with several steps) a snapshot of the whole text after each step.
 """
 
 from __future__ import annotations
@@ -81,9 +82,15 @@ class DD2Method:
 
     def decode(self, batch: list, generator: torch.Generator | None) -> None:
         tok = self.tokenizer
+        def on_step(i: int, rows: list[list[int]]) -> None:
+            for request, tokens in zip(batch, rows):
+                request.snapshot(i + 1, tokens, tok)
+
+        streaming = any(r.stream for r in batch)  # a snapshot costs a decoder pass per step
         result = dd2_generate(self.model, [r.prompt_ids for r in batch], max(r.max_tokens for r in batch),
                               sampling=batch[0].sampling, eos_id=tok.eos_id if self.task == "seq2seq" else None,
-                              pad_id=tok.pad_id, generator=generator)
+                              pad_id=tok.pad_id, generator=generator, on_step=on_step if streaming else None,
+                              fixed=[r.fixed for r in batch])
         for request, tokens in zip(batch, result.tokens):
             for token in tokens:
                 if not request.push(token, tok):
