@@ -436,6 +436,8 @@ def test_serve_dd2(tiny_dd2, tiny_vqvae, tiny_run):
         assert "".join(c["choices"][0]["text"] for c in chunks) == out["choices"][0]["text"]
         guided = httpx.post(url + "/v1/completions", json={**body, "steps": 3, "guidance_scale": 2}, timeout=60)
         assert guided.status_code == 200 and guided.json()["diffar"]["method"] == "dd2"
+        assert guided.json()["diffar"]["passes"] == {"steps": 3, "denoiser_passes": 3, "decoder_passes": 1,
+                                                     "batch_size": 1}
         # a multi-step stream shows the whole text after each step (empty deltas), then the final text
         quality = {**body, "preset": "quality", "steps": 4}
         final = httpx.post(url + "/v1/completions", json=quality, timeout=60).json()["choices"][0]["text"]

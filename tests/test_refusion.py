@@ -286,6 +286,8 @@ def test_serve_refusion(tiny_refusion, tiny_run):
         out = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
         plain = generate(model.ar, [ids], 16, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id).tokens[0]
         assert out["diffar"]["method"] == "refusion" and out["diffar"]["token_ids"] == plain
+        passes = out["diffar"]["passes"]
+        assert passes["ar_passes"] > 0 and passes["diffusion_passes"] > 0 and passes["batch_size"] == 1
         pinned = httpx.post(url + "/v1/completions", json={**body, "fixed_tokens": {"2": 7, "3": 8}}, timeout=60)
         expected = generate(model.ar, [ids], 16, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
                             fixed=[{2: 7, 3: 8}]).tokens[0]

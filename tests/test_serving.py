@@ -31,13 +31,16 @@ def metric(url: str, name: str) -> float:
     raise KeyError(name)
 
 
-def test_openai_client_round_trip(client):
+def test_openai_client_round_trip(client, server):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     out = client.completions.create(model="tiny", prompt="And God said", max_tokens=8, temperature=0)
     assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens <= 8
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "And God said"}],
                                           max_tokens=8, temperature=0)
     assert chat.choices[0].message.content == out.choices[0].text  # same prompt, greedy
+    passes = httpx.post(server + "/v1/completions", json={"prompt": "And God said", "max_tokens": 8,
+                                                          "temperature": 0}, timeout=60).json()["diffar"]["passes"]
+    assert 1 <= passes["forward_passes"] <= 8 and passes["batch_size"] >= 1
 
 
 def test_streaming_equals_non_streaming(client):

@@ -241,10 +241,12 @@ def create_app(method, tokenizer, meta: dict, model_id: str, *, max_batch_size: 
                 "diffar": summary(req)}
 
     def summary(req: Request) -> dict:
-        """diffar's extension of a response: speed, and the tokens one by one (for pinning)."""
+        """diffar's extension of a response: speed, the forward passes its batch took, and the tokens one by
+        one (for pinning)."""
         latency = time.perf_counter() - req.submitted
         return {"method": method.name, "latency_ms": round(1000 * latency, 1),
                 "tokens_per_s": round(len(req.tokens) / latency, 1) if latency > 0 else None,
+                "passes": req.passes,
                 "token_ids": req.tokens, "tokens": [tokenizer.decode([t]) for t in req.tokens],
                 "fixed_positions": sorted(req.fixed)}
 

@@ -60,6 +60,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     stop_hit: bool = False
+    passes: dict = field(default_factory=dict)  # the forward passes of the batch that decoded it, by kind
 
     def batch_key(self) -> tuple:
         """Requests batch together only when one sampling procedure serves them all. A seeded sampled

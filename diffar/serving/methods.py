@@ -40,10 +40,11 @@ class ARMethod:
 
     def decode(self, batch: list, generator: torch.Generator | None) -> None:
         tok = self.tokenizer
-        generate(self.model, [r.prompt_ids for r in batch], max(r.max_tokens for r in batch),
-                 pad_id=tok.pad_id, eos_id=tok.eos_id, sampling=batch[0].sampling,
-                 on_token=lambda row, token: batch[row].push(token, tok), generator=generator,
-                 fixed=[r.fixed for r in batch])
+        result = generate(self.model, [r.prompt_ids for r in batch], max(r.max_tokens for r in batch),
+                          pad_id=tok.pad_id, eos_id=tok.eos_id, sampling=batch[0].sampling,
+                          on_token=lambda row, token: batch[row].push(token, tok), generator=generator,
+                          fixed=[r.fixed for r in batch])
+        report(batch, {"forward_passes": result.forward_passes})
 
 
 class RefusionMethod(ARMethod):
@@ -55,9 +56,12 @@ class RefusionMethod(ARMethod):
 
     def decode(self, batch: list, generator: torch.Generator | None) -> None:
         tok = self.tokenizer
-        refusion_generate(self.refusion, [r.prompt_ids for r in batch], max(r.max_tokens for r in batch),
-                          eos_id=tok.eos_id, sampling=batch[0].sampling, generator=generator,
-                          on_token=lambda row, token: batch[row].push(token, tok), fixed=[r.fixed for r in batch])
+        result = refusion_generate(self.refusion, [r.prompt_ids for r in batch], max(r.max_tokens for r in batch),
+                                   eos_id=tok.eos_id, sampling=batch[0].sampling, generator=generator,
+                                   on_token=lambda row, token: batch[row].push(token, tok),
+                                   fixed=[r.fixed for r in batch])
+        report(batch, {"ar_passes": result.target_passes, "diffusion_passes": result.draft_passes,
+                       "drafts_accepted": round(result.accepted / result.drafted, 3) if result.drafted else None})
 
 
 class DD2Method:
@@ -95,6 +99,14 @@ class DD2Method:
             for token in tokens:
                 if not request.push(token, tok):
                     break
+        report(batch, {"steps": result.steps, "denoiser_passes": result.forward_passes,
+                       "decoder_passes": result.decoder_passes})
+
+
+def report(batch: list, passes: dict) -> None:
+    """Give every request of a batch the forward passes the batch took (the response's `diffar` object)."""
+    for request in batch:
+        request.passes = {**passes, "batch_size": len(batch)}
 
 
 def dd2_sampling(steps: int | None, guidance_scale: float | None, preset: str | None) -> DD2Sampling:
