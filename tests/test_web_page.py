@@ -51,7 +51,8 @@ def test_generate_pin_edit_regenerate(browser, page):
     browser.find_element(By.ID, "max-tokens").send_keys("12")
     generate(browser, "generate")
     first = tokens(browser)
-    assert len(first) == 12 and "tokens/s" in browser.find_element(By.ID, "stats").text
+    stats = browser.find_element(By.ID, "stats").text
+    assert len(first) == 12 and "tokens/s" in stats and "forward passes" in stats
 
     pinned_title = first[9].get_attribute("title")
     first[9].click()  # pin position 9
