@@ -86,6 +86,7 @@ class DD2Method:
 
     def decode(self, batch: list, generator: torch.Generator | None) -> None:
         tok = self.tokenizer
+
         def on_step(i: int, rows: list[list[int]]) -> None:
             for request, tokens in zip(batch, rows):
                 request.snapshot(i + 1, tokens, tok)
