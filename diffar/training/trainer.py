@@ -139,7 +139,7 @@ class Trainer:
             return False
         folder = resolve(self.run_dir)
         saved = read_meta(folder)
-        expected = {**self.meta, "tokenizer_sha256": self.tokenizer.sha256}
+        expected = json.loads(json.dumps({**self.meta, "tokenizer_sha256": self.tokenizer.sha256}))  # as saved
         differ = [k for k in RESUME_MUST_MATCH if saved.get(k) != expected.get(k)]
         if differ:
             raise DiffarError(f"{self.run_dir} holds a run of a different model/data ({', '.join(differ)} differ); "
