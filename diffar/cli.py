@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from diffar.errors import DiffarError
@@ -179,6 +179,7 @@ def _load_kind(path: str, kind: str, flag: str):
 def _dd2_start(args, prediction: str):
     """The DD2 model a `train dd2` / `distill dd2` run starts from: --init (a DD2 checkpoint) and/or --vqvae
     (the autoencoder to build on), which must belong together. Returns (model, config, tokenizer)."""
+    from diffar.data.corpora import load_corpus
     from diffar.models.dd2 import DD2Config, DD2Model, same_weights
 
     init = vqvae = None
@@ -192,6 +193,13 @@ def _dd2_start(args, prediction: str):
         tokenizer = vq_tokenizer
     if init is None and vqvae is None:
         raise DiffarError("pass --vqvae CHECKPOINT (diffar train vqvae) or --init DD2_CHECKPOINT")
+    if args.canvas_len and load_corpus(args.corpus, "train").task != "continuation":
+        raise DiffarError("--canvas-len applies to continuation corpora (a seq2seq canvas is sized by its source)")
+    if args.canvas_len and init is not None and args.canvas_len != init.config.vqvae.target_len:
+        raise DiffarError(f"--init {args.init} samples canvases of {init.config.vqvae.target_len} tokens; "
+                          f"--canvas-len cannot change that")
+    if args.canvas_len and vqvae is not None:  # a layout choice: the same autoencoder reads canvases of any length
+        vqvae.config = replace(vqvae.config, target_len=args.canvas_len)
     overrides = {k: getattr(args, k) for k in ("schedule", "cond_drop", "mse_weight", "ce_weight", "bleu_weight",
                                                "semantic_weight", "refine_prob")
                  if getattr(args, k, None) is not None}
@@ -529,6 +537,9 @@ def _add_dd2_flags(p: argparse.ArgumentParser, corpora: str) -> None:
     p.add_argument("--valid-corpus", help="validation data (default: the corpus's valid split)")
     p.add_argument("--schedule", choices=["linear", "cosine", "learned"], help="noise schedule (default cosine)")
     p.add_argument("--cond-drop", type=float, help="share of examples trained without their source (CFG; 0.1)")
+    p.add_argument("--canvas-len", type=_positive_int,
+                   help="continuation: tokens per canvas (default: the autoencoder's target_len); longer outputs "
+                        "are sampled canvas after canvas")
     p.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl)")
     p.add_argument("--threads", type=_positive_int, help="torch CPU threads")
     _add_train_flags(p)

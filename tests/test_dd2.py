@@ -282,6 +282,32 @@ def test_snapshots_and_max_new():
         dd2_generate(model, [[5], []], 4)
 
 
+def test_continuation_past_one_canvas_samples_canvas_after_canvas():
+    """A continuation longer than the canvas: each canvas reads the last prompt_len tokens of the prompt and
+    the text so far, and draws its noise from the same generator in turn; pins and snapshots are placed at
+    their output positions."""
+    model = random_dd2(eos_id=None)
+    vq = model.config.vqvae  # tiny: canvases of 32 tokens after prompts of 16
+    src, sampling = sources(2), DD2Sampling(steps=2)
+    g = torch.Generator().manual_seed(0)
+    expected, prompts = [[], []], src
+    for n in (32, 32, 16):
+        part = dd2_generate(model, prompts, n, sampling=sampling, generator=g).tokens
+        expected = [e + p for e, p in zip(expected, part)]
+        prompts = [(s + e)[-vq.prompt_len:] for s, e in zip(src, expected)]
+    seen = []
+    result = dd2_generate(model, src, 80, sampling=sampling, generator=torch.Generator().manual_seed(0),
+                          on_step=lambda i, rows: seen.append([len(r) for r in rows]))
+    assert result.tokens == expected and len(result.tokens[0]) == 80
+    assert (result.steps, result.forward_passes) == (2, 6)
+    assert seen == [[32, 32]] * 2 + [[64, 64]] * 2 + [[80, 80]] * 2  # each step: the text so far plus this canvas
+    pinned = dd2_generate(model, src, 80, sampling=sampling, fixed=[{40: 7, 79: 9}, {}],
+                          generator=torch.Generator().manual_seed(0))
+    assert (pinned.tokens[0][40], pinned.tokens[0][79]) == (7, 9) and pinned.tokens[0][:32] == expected[0][:32]
+    with pytest.raises(DiffarError, match="within the 80 tokens"):
+        dd2_generate(model, src, 80, fixed=[{80: 7}, {}])
+
+
 @pytest.mark.parametrize("steps", [1, 3])
 @pytest.mark.parametrize("prediction", ["x0", "eps"])
 def test_pinned_tokens_are_kept_and_change_only_their_row(steps, prediction):
@@ -415,6 +441,24 @@ def test_cli_bad_input(tiny_dd2, tiny_vqvae, tiny_run, tokenizer_path, tmp_path)
                        "bench dd2 needs a DD2 one")
     assert_clean_error(run_cli("bench", "dd2", "--checkpoint", tiny_dd2 / "x0", "--ar", tiny_run, "--methods", "dd2-0",
                                "--out", tmp_path / "b.json"), "unknown method 'dd2-0'")
+
+
+def test_cli_canvas_len(tiny_vqvae, tiny_run, tmp_path):
+    """--canvas-len sets a continuation model's canvas (on the same autoencoder): the teacher writes that many
+    tokens per example, and longer outputs come canvas after canvas. On a seq2seq corpus it is an error."""
+    args = ("distill", "dd2", "--teacher", tiny_run, "--vqvae", tiny_vqvae, "--canvas-len", "16",
+            "--teacher-examples", "8", "--max-steps", "2", *TINY_TRAIN)
+    proc = run_cli(*args, "--corpus", "shakespeare", "--out", tmp_path / "c16")
+    assert proc.returncode == 0, proc.stderr
+    model, _, _ = load_checkpoint(tmp_path / "c16")
+    assert (model.config.vqvae.target_len, model.config.eos_id) == (16, None)
+    teacher = [json.loads(line)["out"] for line in (tmp_path / "c16" / "teacher.jsonl").read_text().splitlines()]
+    assert len(teacher) == 8 and all(len(out) == 16 for out in teacher)
+    gen = run_cli("generate", "--checkpoint", tmp_path / "c16", "--prompt", "To be, or not to be",
+                  "--max-new-tokens", "40")
+    printed = gen.stdout + gen.stderr
+    assert gen.returncode == 0 and "40 tokens in" in printed and "3 forward passes" in printed  # 16 + 16 + 8
+    assert_clean_error(run_cli(*args, "--corpus", "kjv2web", "--out", tmp_path / "k"), "applies to continuation")
 
 
 def test_serve_dd2(tiny_dd2, tiny_vqvae, tiny_run):

@@ -130,15 +130,41 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
 
     seq2seq models (config.eos_id set) size each canvas by the source (`VQVAEConfig.width`; in a batch the
     positions past a row's own width are masked out, so batching does not change a row) and end each row
-    at its first <eos> or <pad>; continuation models fill `target_len` positions. `on_step(i, rows)` sees
-    the tokens after denoising step i (for streaming snapshots): the argmax of each intermediate prediction,
-    so watching does not draw from `generator` and the result is the same with or without it. `fixed[row]`
-    pins output positions to tokens (see `Pins`); the output keeps them, and each pinned step costs one
-    more decoder and encoder pass."""
+    at its first <eos> or <pad>; continuation models fill `target_len` positions, and sample longer outputs
+    canvas after canvas, each reading the last `prompt_len` tokens of the prompt and the text so far
+    (semi-autoregressive: one denoising run per canvas). `on_step(i, rows)` sees the tokens after denoising
+    step i (for streaming snapshots): the argmax of each intermediate prediction, so watching does not draw
+    from `generator` and the result is the same with or without it. `fixed[row]` pins output positions to
+    tokens (see `Pins`); the output keeps them, and each pinned step costs one more decoder and encoder pass."""
     if max_new <= 0:
         raise DiffarError(f"max_new must be positive, got {max_new}")
     if not sources or any(not s for s in sources):
         raise DiffarError("every source needs at least one token")
+    canvas = model.config.vqvae.target_len
+    if model.config.eos_id is not None or max_new <= canvas:
+        return _sample(model, sources, max_new, sampling, eos_id, pad_id, generator, on_step, fixed)
+    if fixed and any(pos >= max_new for pins in fixed for pos in pins):
+        raise DiffarError(f"pinned positions must lie within the {max_new} tokens asked for")
+    t0 = time.perf_counter()
+    tokens: list[list[int]] = [[] for _ in sources]
+    passes = decoder_passes = 0
+
+    def watch(i: int, rows: list[list[int]]) -> None:
+        on_step(i, [done + row for done, row in zip(tokens, rows)])
+
+    for start in range(0, max_new, canvas):
+        prompts = [(s + t)[-model.config.vqvae.prompt_len:] for s, t in zip(sources, tokens)]
+        pins = fixed and [{pos - start: v for pos, v in row.items() if start <= pos < start + canvas} for row in fixed]
+        part = _sample(model, prompts, min(canvas, max_new - start), sampling, eos_id, pad_id, generator,
+                       on_step and watch, pins)
+        tokens = [t + new for t, new in zip(tokens, part.tokens)]
+        passes, decoder_passes = passes + part.forward_passes, decoder_passes + part.decoder_passes
+    return DD2Result(tokens, time.perf_counter() - t0, part.steps, passes, decoder_passes, list(map(len, sources)))
+
+
+def _sample(model: DD2Model, sources: list[list[int]], max_new: int, sampling: DD2Sampling, eos_id: int | None,
+            pad_id: int, generator: torch.Generator | None, on_step, fixed) -> DD2Result:
+    """One canvas per source (`dd2_generate`'s arguments)."""
     cfg = model.config
     vq = cfg.vqvae
     t0 = time.perf_counter()

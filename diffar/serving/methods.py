@@ -64,6 +64,9 @@ class RefusionMethod(ARMethod):
                        "drafts_accepted": round(result.accepted / result.drafted, 3) if result.drafted else None})
 
 
+CONTINUATION_ROOM = 1024  # the most new tokens a request to a continuation DD2 model may ask for
+
+
 class DD2Method:
     name = "dd2"
 
@@ -77,8 +80,11 @@ class DD2Method:
         return ids if self.task == "seq2seq" else ids[-self.vq.prompt_len:]
 
     def room(self, ids: list[int]) -> int:
-        """The canvas width (`DD2Config.canvas_width`); a source longer than the model reads leaves none."""
+        """seq2seq: the canvas width (`DD2Config.canvas_width`), none for a source longer than the model
+        reads; continuation: CONTINUATION_ROOM tokens, sampled canvas after canvas."""
         cfg = self.model.config
+        if self.task == "continuation":
+            return CONTINUATION_ROOM
         return cfg.canvas_width(len(ids)) if len(ids) <= cfg.max_source_len else 0
 
     def fits(self, longest_prompt: int, budget: int) -> bool:
