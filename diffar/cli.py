@@ -508,12 +508,15 @@ def cmd_bench_lossless(args) -> None:
     if args.k <= 0:
         raise DiffarError(f"--k must be positive, got {args.k}")
     records = bench_lossless(args.checkpoint, args.draft, args.corpus, args.prompts, args.new_tokens, args.k,
-                             args.batch_sizes, args.methods, getattr(args, "plan_threshold", 0.9))
+                             args.batch_sizes, args.methods, getattr(args, "plan_threshold", 0.9), args.split)
     print_table(records)
     write_records(records, args.out)
 
 
 # ---- parser ---------------------------------------------------------------------------------------
+SPLIT_HELP = "valid for comparing training choices (ablations), test for the reported figures"
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -714,7 +717,8 @@ def build_parser() -> argparse.ArgumentParser:
                      default=["ar", "ar+prompt-lookup", "ar+draft", "refusion", "refusion-dynamic", "refusion-infill"])
     brf.add_argument("--plan-threshold", type=float, default=0.9, help="refusion-infill: keep drafts this confident")
     for p in (bsp, brf):
-        p.add_argument("--corpus", help="prompts from this corpus's test split (default: the checkpoint's corpus)")
+        p.add_argument("--corpus", help="prompts from this corpus (default: the checkpoint's corpus)")
+        p.add_argument("--split", default="test", choices=("valid", "test"), help=SPLIT_HELP)
         p.add_argument("--prompts", type=_positive_int, default=32)
         p.add_argument("--new-tokens", type=_positive_int, default=256, help="continuation: tokens per prompt")
         p.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1])
@@ -728,8 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
     bdd.add_argument("--methods", nargs="+", default=["ar", "dd2-1", "dd2-30", "dd2-50", "dd2-100", "dd2-hybrid"],
                      help="ar, dd2-N (N DDIM steps), dd2-adaptive, dd2-hybrid, dd2-speed, dd2-quality")
     bdd.add_argument("--corpus", help="prompts from this corpus (default: the checkpoint's corpus)")
-    bdd.add_argument("--split", default="test", choices=("valid", "test"),
-                     help="valid for comparing training choices (ablations), test for the reported figures")
+    bdd.add_argument("--split", default="test", choices=("valid", "test"), help=SPLIT_HELP)
     bdd.add_argument("--prompts", type=_positive_int, default=128)
     bdd.add_argument("--new-tokens", type=_positive_int, default=256, help="continuation: tokens per prompt")
     bdd.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1, 16])

@@ -260,7 +260,7 @@ def test_cli_generate_and_bench(tiny_refusion, tmp_path):
     out = tmp_path / "bench.json"
     proc = run_cli("bench", "refusion", "--checkpoint", tiny_refusion, "--draft", tiny_refusion, "--prompts", "4",
                    "--batch-sizes", "1", "2", "--methods", "ar", "ar+prompt-lookup", "refusion", "refusion-dynamic",
-                   "refusion-infill", "--out", out)
+                   "refusion-infill", "--split", "valid", "--out", out)
     assert proc.returncode == 0, proc.stderr
     import json
 
@@ -270,6 +270,7 @@ def test_cli_generate_and_bench(tiny_refusion, tmp_path):
         (m, b) for m in lossless + ("refusion-infill",) for b in (1, 2)}
     for r in records:
         assert r["extra"]["tokens_per_ar_pass"] > 0 and {"bleu4", "rougeL"} <= set(r["extra"])
+        assert r["extra"]["split"] == "valid"
         assert r["extra"]["exact_match_vs_ar"] == 1.0 or r["method"] not in lossless
 
 

@@ -65,7 +65,7 @@ def bench_ar(checkpoint: str, corpus_name: str | None, batch_sizes: list[int], n
 
 def _prompts(corpus, n_prompts: int) -> tuple[list[str], list[str]]:
     """(prompts, references): seq2seq sources and targets; continuation windows of 300 characters from the
-    test works and the text that really follows them."""
+    corpus's works and the text that really follows them."""
     if corpus.task == "seq2seq":
         pairs = corpus.pairs[:n_prompts]
         return [p.source for p in pairs], [p.target for p in pairs]
@@ -74,11 +74,12 @@ def _prompts(corpus, n_prompts: int) -> tuple[list[str], list[str]]:
 
 
 def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, n_prompts: int, new_tokens: int,
-                   k: int, batch_sizes: list[int], methods: list[str],
-                   plan_threshold: float = 0.9) -> list[BenchRecord]:
+                   k: int, batch_sizes: list[int], methods: list[str], plan_threshold: float = 0.9,
+                   split: str = "test") -> list[BenchRecord]:
     """Greedy AR against the draft-and-verify methods, all verifying with the same AR weights (a ReFusion
-    checkpoint's AR stream, or an AR checkpoint), on the same prompts in the same batches. All are lossless
-    but `refusion-infill` (plan-and-infill, keeping diffusion drafts at least `plan_threshold` confident).
+    checkpoint's AR stream, or an AR checkpoint), on the same prompts in the same batches, from `split`
+    (valid when comparing training choices). All are lossless but `refusion-infill` (plan-and-infill,
+    keeping diffusion drafts at least `plan_threshold` confident).
 
     seq2seq runs stop at eos (at most 2x the longest source of the batch + 16 tokens); continuation runs
     make exactly `new_tokens` (eos ignored). Outputs are scored against the references (the real
@@ -89,10 +90,10 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
     if any(m.startswith("refusion") for m in methods) and meta["kind"] != "refusion":
         raise DiffarError(f"{checkpoint} is an AR checkpoint; the refusion methods need a ReFusion one")
     draft_model = load_draft(draft, tokenizer) if "ar+draft" in methods else None
-    corpus = load_corpus(corpus_name or meta["corpus"], "test")
+    corpus = load_corpus(corpus_name or meta["corpus"], split)
     texts, references = _prompts(corpus, n_prompts)
     if not texts:
-        raise DiffarError(f"{corpus.name} gives no test prompts")
+        raise DiffarError(f"{corpus.name} gives no {split} prompts")
     eos = tokenizer.eos_id if corpus.task == "seq2seq" else None
     prompts = [prompt_ids(tokenizer, meta["task"], t) for t in texts]
     words = [len(t.split()) for t in texts]
@@ -136,7 +137,7 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
                 prompt_tokens=round(sum(map(len, prompts)) / len(prompts)), new_tokens=round(new / len(prompts)),
                 latency_ms=round(1000 * seconds / len(batches), 1), tokens_per_s=round(new / seconds, 1),
                 forward_passes=round(passes / len(batches)),
-                extra={"prompts": len(prompts),
+                extra={"split": split, "prompts": len(prompts),
                        "plan_threshold": plan_threshold if method == "refusion-infill" else None,
                        "k": None if method == "ar" else k_refusion if method.startswith("refusion") else k,
                        "tokens_per_ar_pass": round(new / row_passes, 3),
