@@ -47,6 +47,21 @@ def inputs(model, batch=2, width=10, seed=0):
 
 
 # ---- the model ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("eos_id", [EOS, None])
+def test_canvas_positions(eos_id):
+    """A seq2seq canvas counts its positions from 0, like its source; a continuation canvas continues its
+    source: slot 0 takes the position after each row's last source token (right padding aside)."""
+    model = random_dd2(eos_id=eos_id)
+    seen = []
+    forward = model.denoiser.stack.forward
+    model.denoiser.stack.forward = lambda x, key_mask, positions: seen.append(positions) or forward(x, key_mask,
+                                                                                                      positions)
+    source, mask = pad_right([[5, 6, 7], [8, 9, 10, 11, 12]], 0)
+    model.denoiser(torch.randn(2, 4, model.config.vqvae.d_latent), torch.ones(2), source, mask)
+    start = [3, 5] if eos_id is None else [0, 0]
+    assert seen[0].tolist() == [list(range(5)) + list(range(s, s + 4)) for s in start]
+
+
 def test_guidance_one_is_conditional_only_and_mixes_otherwise():
     model = random_dd2()
     z, t, source, mask = inputs(model)

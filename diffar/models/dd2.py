@@ -2,8 +2,10 @@
 
     source tokens (S) ++ noised canvas latents z_t (N)  ->  bidirectional transformer  ->  eps or z0 (N)
 
-The denoiser reads the source as a prefix (its own token embeddings; source and canvas positions both count
-from 0, so RoPE sees how far a canvas slot is from a source token: monotone alignment comes cheap). The
+The denoiser reads the source as a prefix (its own token embeddings). For seq2seq, source and canvas positions
+both count from 0, so RoPE sees how far a canvas slot is from a source token: monotone alignment comes cheap.
+A continuation canvas continues its source: its first slot takes the position after the last source token,
+so the nearest text in RoPE's terms is the text the canvas goes on from. The
 autoencoder (`TextVQVAE`) rides along frozen inside the checkpoint: it makes z0 from the training canvases
 and decodes a denoised latent into every token in one pass.
 
@@ -109,7 +111,7 @@ class DD2Config:
 
     def stack_config(self) -> TransformerConfig:
         return TransformerConfig(vocab_size=self.vqvae.vocab_size, n_layer=self.n_layer, n_head=self.n_head,
-                                 d_model=self.d_model, max_seq_len=max(self.max_source_len, self.vqvae.max_len))
+                                 d_model=self.d_model, max_seq_len=self.max_source_len + self.vqvae.max_len)
 
 
 def same_weights(a: nn.Module, b: nn.Module) -> bool:
@@ -135,7 +137,7 @@ class LatentDenoiser(nn.Module):
                                       nn.Linear(cfg.d_model, cfg.d_model))
         self.stack = BidirectionalStack(stack)
         self.latent_out = nn.Linear(cfg.d_model, cfg.vqvae.d_latent)
-        self.max_source_len = cfg.max_source_len
+        self.config = cfg  # read at each pass: `eos_id` (None: continuation) is set once the data is known
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
@@ -144,12 +146,15 @@ class LatentDenoiser(nn.Module):
                 canvas_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, N, _ = z.shape
         S = source.shape[1]
-        if S > self.max_source_len:
-            raise DiffarError(f"source of {S} tokens exceeds the model's {self.max_source_len}")
+        if S > self.config.max_source_len:
+            raise DiffarError(f"source of {S} tokens exceeds the model's {self.config.max_source_len}")
         time = self.time_mlp(timestep_embedding(t, self.d_model).to(z.dtype)).unsqueeze(1)
         src = self.src_emb(source) + self.segment.weight[0]
         canvas = self.latent_in(z) + self.segment.weight[1] + time
-        positions = torch.cat([torch.arange(S, device=z.device), torch.arange(N, device=z.device)])
+        canvas_start = source_mask.sum(1, keepdim=True) if self.config.eos_id is None else torch.zeros(
+            B, 1, dtype=torch.long, device=z.device)
+        positions = torch.cat([torch.arange(S, device=z.device).expand(B, S),
+                               canvas_start + torch.arange(N, device=z.device)], dim=1)
         canvas_mask = source_mask.new_ones(B, N) if canvas_mask is None else canvas_mask
         key_mask = torch.cat([source_mask, canvas_mask], dim=1)
         h = self.stack(torch.cat([src, canvas], dim=1), key_mask, positions)
