@@ -52,10 +52,13 @@ def test_canvas_positions(eos_id):
     """A seq2seq canvas counts its positions from 0, like its source; a continuation canvas continues its
     source: slot 0 takes the position after each row's last source token (right padding aside)."""
     model = random_dd2(eos_id=eos_id)
-    seen = []
-    forward = model.denoiser.stack.forward
-    model.denoiser.stack.forward = lambda x, key_mask, positions: seen.append(positions) or forward(x, key_mask,
-                                                                                                      positions)
+    seen, forward = [], model.denoiser.stack.forward
+
+    def spy(x, key_mask, positions):
+        seen.append(positions)
+        return forward(x, key_mask, positions)
+
+    model.denoiser.stack.forward = spy
     source, mask = pad_right([[5, 6, 7], [8, 9, 10, 11, 12]], 0)
     model.denoiser(torch.randn(2, 4, model.config.vqvae.d_latent), torch.ones(2), source, mask)
     start = [3, 5] if eos_id is None else [0, 0]
