@@ -17,6 +17,7 @@ from diffar.decoding.dd2 import DD2Sampling, adaptive_steps, dd2_generate, hybri
 from diffar.errors import DiffarError
 from diffar.models.dd2 import DD2Config, DD2Model, expected_bleu_risk, same_weights, semantic_distance
 from diffar.models.vqvae import TextVQVAE, VQVAEConfig
+from diffar.serving.methods import CONTINUATION_ROOM, DD2Method
 
 VOCAB = 512
 EOS = 2
@@ -324,6 +325,10 @@ def test_continuation_past_one_canvas_samples_canvas_after_canvas():
     assert (pinned.tokens[0][40], pinned.tokens[0][79]) == (7, 9) and pinned.tokens[0][:32] == expected[0][:32]
     with pytest.raises(DiffarError, match="within the 80 tokens"):
         dd2_generate(model, src, 80, fixed=[{80: 7}, {}])
+    # served, a continuation request may ask for more than one canvas; a seq2seq one for its canvas
+    assert DD2Method(model, None, "continuation").room(src[0]) == CONTINUATION_ROOM
+    seq2seq = random_dd2(eos_id=EOS)
+    assert DD2Method(seq2seq, None, "seq2seq").room(src[0]) == seq2seq.config.canvas_width(len(src[0]))
 
 
 @pytest.mark.parametrize("steps", [1, 3])
