@@ -66,9 +66,6 @@ class NoisyOracle:
             out.append(Draft(drafts))
         return out
 
-    def keep(self, state):
-        pass
-
 
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_batched_verification_equals_plain_ar_row_by_row(target, adaptive, monkeypatch):

@@ -164,9 +164,6 @@ class DiffusionDrafter:
             out[r] = draft
         return out
 
-    def keep(self, state: DecodeState) -> None:
-        pass
-
 
 def refusion_generate(model: RefusionModel, prompts: list[list[int]], max_new_tokens: int, *, k: int | None = None,
                       eos_id: int | None, schedule: DraftSchedule = DraftSchedule(),

@@ -180,9 +180,6 @@ class DraftModel:
                 logits = self._feed([[drafts[r][-1]] if i + 1 < wanted.get(r, 0) else [] for r in range(B)])
         return [Draft(drafts[r], dists[r]) for r in range(B)]
 
-    def keep(self, state: DecodeState) -> None:
-        pass  # propose() reconciles the cache with the text
-
 
 class PromptLookup:
     """Drafts by copying what followed the latest earlier occurrence of the text's last n-gram."""
@@ -206,9 +203,6 @@ class PromptLookup:
                 if seq[start:start + n] == tail:
                     return seq[start + n:start + n + k]
         return []
-
-    def keep(self, state: DecodeState) -> None:
-        pass
 
 
 def accept(logits: torch.Tensor, drafts: list[int], dists: list | None, sampling: SamplingConfig,
@@ -371,7 +365,6 @@ def speculative_generate(
                     break
         state.write += 1 + kept
         block.update(accepted_now)
-        proposer.keep(state)
     out = [seq[n:] for seq, n in zip(state.seqs, state.prompt_lengths)]
     return SpeculativeResult(out, sum(map(len, prompts)), passes,
                              proposer.passes, drafted, accepted_total, time.perf_counter() - t0)
