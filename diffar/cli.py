@@ -178,7 +178,9 @@ def _load_kind(path: str, kind: str, flag: str):
 
 def _dd2_start(args, prediction: str):
     """The DD2 model a `train dd2` / `distill dd2` run starts from: --init (a DD2 checkpoint) and/or --vqvae
-    (the autoencoder to build on), which must belong together. Returns (model, config, tokenizer)."""
+    (the autoencoder to build on), which must belong together, and --source-encoder (an AR model that reads
+    the source; an --init model keeps its own). Returns (model, config, tokenizer)."""
+    from diffar.checkpoint import ar_stream, load_checkpoint
     from diffar.data.corpora import load_corpus
     from diffar.models.dd2 import DD2Config, DD2Model, same_weights
 
@@ -193,6 +195,18 @@ def _dd2_start(args, prediction: str):
         tokenizer = vq_tokenizer
     if init is None and vqvae is None:
         raise DiffarError("pass --vqvae CHECKPOINT (diffar train vqvae) or --init DD2_CHECKPOINT")
+    encoder = None
+    if args.source_encoder:
+        encoder, encoder_tokenizer, encoder_meta = load_checkpoint(args.source_encoder)
+        if encoder_meta["kind"] not in ("ar", "refusion"):
+            raise DiffarError(f"--source-encoder {args.source_encoder} is a {encoder_meta['kind']} checkpoint, "
+                              f"not an AR model")
+        if encoder_tokenizer.sha256 != tokenizer.sha256:
+            raise DiffarError(f"--source-encoder {args.source_encoder} uses another tokenizer than the DD2 model")
+        encoder = ar_stream(encoder)
+        if init is not None and (init.source_encoder is None or not same_weights(init.source_encoder, encoder)):
+            raise DiffarError(f"--init {args.init} does not read its source through --source-encoder "
+                              f"{args.source_encoder}; an --init model keeps its own")
     if args.canvas_len and load_corpus(args.corpus, "train").task != "continuation":
         raise DiffarError("--canvas-len applies to continuation corpora (a seq2seq canvas is sized by its source)")
     if args.canvas_len and init is not None and args.canvas_len != init.config.vqvae.target_len:
@@ -207,9 +221,16 @@ def _dd2_start(args, prediction: str):
     if init is not None:
         cfg = DD2Config.from_dict({**init.config.to_dict(), **overrides})
     else:
+        if encoder is not None:
+            overrides["source_encoder"] = encoder.config
         cfg = DD2Config.from_preset(args.preset, vqvae.config, **overrides)
     model = DD2Model(cfg)
-    model.load_state_dict(init.state_dict()) if init is not None else model.set_vqvae(vqvae)
+    if init is not None:
+        model.load_state_dict(init.state_dict())
+    else:
+        model.set_vqvae(vqvae)
+        if encoder is not None:
+            model.set_source_encoder(encoder)
     return model, cfg, tokenizer
 
 
@@ -540,6 +561,8 @@ def _add_dd2_flags(p: argparse.ArgumentParser, corpora: str) -> None:
     p.add_argument("--valid-corpus", help="validation data (default: the corpus's valid split)")
     p.add_argument("--schedule", choices=["linear", "cosine", "learned"], help="noise schedule (default cosine)")
     p.add_argument("--cond-drop", type=float, help="share of examples trained without their source (CFG; 0.1)")
+    p.add_argument("--source-encoder", help="an AR checkpoint (e.g. the teacher) whose frozen hidden states over the "
+                                            "source join the denoiser's source prefix")
     p.add_argument("--canvas-len", type=_positive_int,
                    help="continuation: tokens per canvas (default: the autoencoder's target_len); longer outputs "
                         "are sampled canvas after canvas")

@@ -41,10 +41,10 @@ def main() -> None:
     z = torch.randn(len(sources), width, cfg.vqvae.d_latent, generator=torch.Generator().manual_seed(0))
     t = torch.ones(len(sources))
     with torch.inference_mode():
-        out = model.denoiser(z, t, source, mask, canvas_mask)
-        masked = model.denoiser(z, t, source, torch.zeros_like(mask), canvas_mask)
+        out = model.predict(z, t, source, mask, canvas_mask=canvas_mask)
+        masked = model.predict(z, t, source, torch.zeros_like(mask), canvas_mask=canvas_mask)
         order = torch.roll(torch.arange(len(sources)), 1)  # each row gets the next row's prompt
-        other = model.denoiser(z, t, source[order], mask[order], canvas_mask)
+        other = model.predict(z, t, source[order], mask[order], canvas_mask=canvas_mask)
     print(f"{args.checkpoint}: {len(sources)} valid prompts, one step; output change with the prompt masked: "
           f"{relative(out, masked):.1%}; with another prompt: {relative(out, other):.1%}")
 

@@ -16,6 +16,7 @@ from diffar.decoding.ar import generate
 from diffar.decoding.dd2 import DD2Sampling, adaptive_steps, dd2_generate, hybrid_generate
 from diffar.errors import DiffarError
 from diffar.models.dd2 import DD2Config, DD2Model, expected_bleu_risk, same_weights, semantic_distance
+from diffar.models.transformer import TransformerConfig
 from diffar.models.vqvae import TextVQVAE, VQVAEConfig
 from diffar.serving.methods import CONTINUATION_ROOM, DD2Method
 
@@ -23,9 +24,12 @@ VOCAB = 512
 EOS = 2
 
 
-def random_dd2(seed=0, **overrides) -> DD2Model:
-    """A `tiny` DD2 model with large random weights, so that different inputs give different tokens."""
+def random_dd2(seed=0, encoder=False, **overrides) -> DD2Model:
+    """A `tiny` DD2 model with large random weights, so that different inputs give different tokens;
+    `encoder`: with a `tiny` AR model as its source encoder."""
     torch.manual_seed(seed)
+    if encoder:
+        overrides["source_encoder"] = TransformerConfig.from_preset("tiny", vocab_size=VOCAB)
     model = DD2Model(DD2Config.from_preset("tiny", VQVAEConfig.from_preset("tiny", VOCAB), **overrides)).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -78,12 +82,36 @@ def test_guidance_one_is_conditional_only_and_mixes_otherwise():
     torch.testing.assert_close(model.predict(z, t, source, mask, guidance_scale=0.0), uncond, rtol=1e-4, atol=1e-4)
 
 
-def test_padding_the_source_changes_nothing():
-    model = random_dd2()
+@pytest.mark.parametrize("encoder", [False, True])
+def test_padding_the_source_changes_nothing(encoder):
+    model = random_dd2(encoder=encoder)
     z, t, source, mask = inputs(model, batch=1)
     padded = torch.cat([source, torch.zeros(1, 4, dtype=source.dtype)], 1)
     padded_mask = torch.cat([mask, torch.zeros(1, 4, dtype=torch.bool)], 1)
-    torch.testing.assert_close(model.denoiser(z, t, padded, padded_mask), model.denoiser(z, t, source, mask))
+    torch.testing.assert_close(model.predict(z, t, padded, padded_mask), model.predict(z, t, source, mask))
+
+
+def test_source_encoder_states_join_the_prefix_and_stay_frozen():
+    """With a source encoder, the denoiser reads the encoder's hidden states over the source (other encoder
+    weights, other output), `predict` makes them itself when not given, and training leaves the encoder as
+    it was (no gradient, eval mode)."""
+    model = random_dd2(encoder=True, prediction="x0")
+    z, t, source, mask = inputs(model)
+    states = model.encode_source(source)
+    assert states.shape == (2, source.shape[1], model.config.source_encoder.d_model)
+    out = model.predict(z, t, source, mask)
+    torch.testing.assert_close(out, model.denoiser(z, t, source, mask, states=states))
+    other = random_dd2(seed=1, encoder=True, prediction="x0")
+    model.set_source_encoder(other.source_encoder)
+    assert not torch.allclose(model.predict(z, t, source, mask), out)
+    model.train()
+    assert not model.source_encoder.training
+    _, loss = model(source, mask, torch.randint(5, VOCAB, (2, 10)))
+    loss.backward()
+    assert model.denoiser.states_in.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in model.source_encoder.parameters())
+    with pytest.raises(DiffarError, match="differs from the source encoder"):
+        random_dd2().set_source_encoder(other.source_encoder)
 
 
 @pytest.mark.parametrize("weights", [dict(mse_weight=2.0, ce_weight=0.5, bleu_weight=0.3, semantic_weight=0.7),
@@ -109,7 +137,7 @@ def test_refinement_examples_are_noised_one_step_drafts(refine_prob):
     one-step draft x1 from noise z1, noised to t with that same z1."""
     model = random_dd2(prediction="x0", full_noise_prob=0.0, refine_prob=refine_prob, cond_drop=0.0)
     calls, forward = [], model.denoiser.forward
-    model.denoiser.forward = lambda z, t, s, m: calls.append((z.clone(), t.clone())) or forward(z, t, s, m)
+    model.denoiser.forward = lambda z, t, s, m, **kw: calls.append((z.clone(), t.clone())) or forward(z, t, s, m)
     targets = torch.randint(5, VOCAB, (3, 10))
     source, mask = torch.randint(5, VOCAB, (3, 6)), torch.ones(3, 6, dtype=torch.bool)
     model(source, mask, targets)
@@ -170,6 +198,7 @@ def test_bleu_risk_gradient_favours_the_better_draw():
     (dict(prediction="v"), "unknown prediction"), (dict(cond_drop=1.0), "cond_drop"),
     (dict(ce_weight=-1.0), "loss weights"), (dict(schedule="sqrt"), "unknown noise schedule"),
     (dict(bleu_samples=1), "bleu_samples"), (dict(refine_prob=1.5), "refine_prob"),
+    (dict(source_encoder=TransformerConfig.from_preset("tiny", vocab_size=100)), "source encoder's vocabulary"),
 ])
 def test_bad_config(bad, message):
     with pytest.raises(DiffarError, match=message):
@@ -186,8 +215,9 @@ def test_same_weights_tells_autoencoders_apart_but_not_their_bf16_copies():
     assert same_weights(a, copy) and not same_weights(a, b)
 
 
-def test_save_and_load(tmp_path, tokenizer):
-    model = random_dd2(eos_id=EOS)
+@pytest.mark.parametrize("encoder", [False, True])
+def test_save_and_load(tmp_path, tokenizer, encoder):
+    model = random_dd2(eos_id=EOS, encoder=encoder)
     meta = {"kind": "dd2", "model": model.config.to_dict(), "task": "seq2seq", "corpus": "kjv2web"}
     write_checkpoint(tmp_path / "dd2", model, meta, tokenizer)
     loaded, _, meta2 = load_checkpoint(tmp_path / "dd2")
@@ -482,6 +512,32 @@ def test_cli_canvas_len(tiny_vqvae, tiny_run, tmp_path):
     printed = gen.stdout + gen.stderr
     assert gen.returncode == 0 and "40 tokens in" in printed and "3 forward passes" in printed  # 16 + 16 + 8
     assert_clean_error(run_cli(*args, "--corpus", "kjv2web", "--out", tmp_path / "k"), "applies to continuation")
+
+
+def test_cli_source_encoder(tiny_vqvae, tiny_run, tiny_dd2, tmp_path):
+    """--source-encoder puts a frozen copy of an AR model in the DD2 checkpoint to read the source; a run
+    continued from it keeps it, and checkpoints that are not AR models, or an --init model without that
+    encoder, are clear errors."""
+    args = ("distill", "dd2", "--teacher", tiny_run, "--corpus", "shakespeare", "--teacher-examples", "8",
+            "--max-steps", "2", *TINY_TRAIN)
+    proc = run_cli(*args, "--vqvae", tiny_vqvae, "--source-encoder", tiny_run, "--canvas-len", "16",
+                   "--out", tmp_path / "enc")
+    assert proc.returncode == 0, proc.stderr
+    model, _, _ = load_checkpoint(tmp_path / "enc")
+    teacher, _, _ = load_checkpoint(tiny_run)
+    assert model.config.source_encoder.to_dict() == teacher.config.to_dict()
+    assert same_weights(model.source_encoder, teacher)
+    gen = run_cli("generate", "--checkpoint", tmp_path / "enc", "--prompt", "To be, or not to be",
+                  "--max-new-tokens", "20")
+    assert gen.returncode == 0 and "20 tokens in" in gen.stdout + gen.stderr, gen.stderr
+    more = run_cli(*args, "--init", tmp_path / "enc", "--source-encoder", tiny_run, "--out", tmp_path / "more")
+    assert more.returncode == 0, more.stderr
+    assert same_weights(load_checkpoint(tmp_path / "more")[0].source_encoder, teacher)
+    assert_clean_error(run_cli(*args, "--vqvae", tiny_vqvae, "--source-encoder", tiny_vqvae, "--out", tmp_path / "a"),
+                       "not an AR model")
+    assert_clean_error(run_cli("distill", "dd2", "--teacher", tiny_run, "--init", tiny_dd2 / "eps", "--corpus",
+                               "kjv2web", "--source-encoder", tiny_run, "--out", tmp_path / "b", *TINY_TRAIN),
+                       "an --init model keeps its own")
 
 
 def test_serve_dd2(tiny_dd2, tiny_vqvae, tiny_run):

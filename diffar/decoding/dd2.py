@@ -181,10 +181,11 @@ def _sample(model: DD2Model, sources: list[list[int]], max_new: int, sampling: D
     scheduler.set_timesteps(steps)
     dtype = next(model.denoiser.parameters()).dtype
     z = torch.randn(len(sources), width, vq.d_latent, generator=generator).to(device, dtype)
+    states = model.encode_source(source)  # the source encoder's read, made once for every step
     passes = decoder_passes = 0
     for i, t in enumerate(scheduler.timesteps.tolist()):
         out = model.predict(z, torch.full((len(z),), t, device=device), source, mask, sampling.guidance_scale,
-                            canvas_mask)
+                            canvas_mask, states)
         passes += 1
         if pins is not None:
             ids = pins.write(pins.guard(model.decode(scheduler.x0_hat(out, t, z), canvas_mask)).argmax(-1))

@@ -170,7 +170,7 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
     sampling, on the same prompts in the same batches, from `split` (valid when comparing training choices,
     so that no choice is tuned on the test split). seq2seq: the sources, AR stops at eos (at most
     2x the longest source + 16 tokens), DD2 fills its canvas; continuation: exactly `new_tokens` per row from
-    AR, the canvas (`target_len`) from DD2 (or `new_tokens`, if fewer). Quality: BLEU-4, chrF and ROUGE-L
+    every method (DD2 canvas after canvas). Quality: BLEU-4, chrF and ROUGE-L
     against the references, and for continuation the AR model's perplexity of each method's output."""
     model, tokenizer, meta = load_checkpoint(checkpoint)
     if meta["kind"] != "dd2":

@@ -2,11 +2,14 @@
 
     source tokens (S) ++ noised canvas latents z_t (N)  ->  bidirectional transformer  ->  eps or z0 (N)
 
-The denoiser reads the source as a prefix (its own token embeddings). For seq2seq, source and canvas positions
+The denoiser reads the source as a prefix (its own token embeddings). With `source_encoder` set, a frozen AR
+model (the distillation teacher) reads the source too, and its final hidden states are added to the prefix:
+what the teacher expects to come next is then one linear read away, as a latent diffusion model reads its
+prompt through a frozen text encoder. For seq2seq, source and canvas positions
 both count from 0, so RoPE sees how far a canvas slot is from a source token: monotone alignment comes cheap.
 A continuation canvas continues its source: its first slot takes the position after the last source token,
 so the nearest text in RoPE's terms is the text the canvas goes on from. The
-autoencoder (`TextVQVAE`) rides along frozen inside the checkpoint: it makes z0 from the training canvases
+autoencoder (`TextVQVAE`) and the source encoder ride along frozen inside the checkpoint: it makes z0 from the training canvases
 and decodes a denoised latent into every token in one pass.
 
 Two parameterisations (`prediction`):
@@ -40,7 +43,7 @@ from diffar.diffusion.scheduler import PREDICTIONS
 from diffar.diffusion.schedules import KINDS, NoiseSchedule
 from diffar.errors import DiffarError
 from diffar.models.time_embedding import timestep_embedding
-from diffar.models.transformer import BidirectionalStack, TransformerConfig
+from diffar.models.transformer import BidirectionalStack, Transformer, TransformerConfig
 from diffar.models.vqvae import TextVQVAE, VQVAEConfig
 
 PRESETS: dict[str, dict] = {
@@ -69,11 +72,14 @@ class DD2Config:
     semantic_weight: float = 0.0
     bleu_samples: int = 4  # canvases sampled per example for the expected-BLEU loss
     eos_id: int | None = None  # where a seq2seq canvas's text ends (None: continuation, no end)
+    source_encoder: TransformerConfig | None = None  # a frozen AR model whose hidden states join the source prefix
     preset: str = ""
 
     def __post_init__(self):
         if isinstance(self.vqvae, dict):
             self.vqvae = VQVAEConfig.from_dict(self.vqvae)
+        if isinstance(self.source_encoder, dict):
+            self.source_encoder = TransformerConfig.from_dict(self.source_encoder)
         checks = [
             (self.schedule in KINDS, f"unknown noise schedule {self.schedule!r}; choose one of {', '.join(KINDS)}"),
             (self.prediction in PREDICTIONS, f"unknown prediction {self.prediction!r}; choose one of "
@@ -83,6 +89,8 @@ class DD2Config:
             (0 <= self.refine_prob <= 1, f"refine_prob must be in [0, 1], got {self.refine_prob}"),
             (self.latent_scale > 0, f"latent_scale must be positive, got {self.latent_scale}"),
             (self.bleu_samples > 1, f"bleu_samples must be at least 2, got {self.bleu_samples}"),
+            (self.source_encoder is None or self.source_encoder.vocab_size == self.vqvae.vocab_size,
+             "the source encoder's vocabulary differs from the autoencoder's"),
         ]
         checks += [(w >= 0 and math.isfinite(w), f"loss weights must be >= 0, got {w}")
                    for w in (self.mse_weight, self.ce_weight, self.bleu_weight, self.semantic_weight)]
@@ -124,7 +132,8 @@ def same_weights(a: nn.Module, b: nn.Module) -> bool:
 
 class LatentDenoiser(nn.Module):
     """(z_t (B, N, d_latent), t (B,), source (B, S), source_mask (B, S)) -> eps or z0 (B, N, d_latent);
-    `canvas_mask` (B, N) marks the positions each row's canvas has (default: all)."""
+    `canvas_mask` (B, N) marks the positions each row's canvas has (default: all); `states` (B, S, d) are the
+    source encoder's hidden states over the source (required when the config has a source encoder)."""
 
     def __init__(self, cfg: DD2Config):
         super().__init__()
@@ -132,6 +141,7 @@ class LatentDenoiser(nn.Module):
         self.d_model = cfg.d_model
         self.src_emb = nn.Embedding(cfg.vqvae.vocab_size, cfg.d_model)
         self.segment = nn.Embedding(2, cfg.d_model)  # 0: source token, 1: canvas latent
+        self.states_in = nn.Linear(cfg.source_encoder.d_model, cfg.d_model) if cfg.source_encoder else None
         self.latent_in = nn.Linear(cfg.vqvae.d_latent, cfg.d_model)
         self.time_mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_model), nn.SiLU(),
                                       nn.Linear(cfg.d_model, cfg.d_model))
@@ -143,13 +153,15 @@ class LatentDenoiser(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
 
     def forward(self, z: torch.Tensor, t: torch.Tensor, source: torch.Tensor, source_mask: torch.Tensor,
-                canvas_mask: torch.Tensor | None = None) -> torch.Tensor:
+                canvas_mask: torch.Tensor | None = None, states: torch.Tensor | None = None) -> torch.Tensor:
         B, N, _ = z.shape
         S = source.shape[1]
         if S > self.config.max_source_len:
             raise DiffarError(f"source of {S} tokens exceeds the model's {self.config.max_source_len}")
         time = self.time_mlp(timestep_embedding(t, self.d_model).to(z.dtype)).unsqueeze(1)
         src = self.src_emb(source) + self.segment.weight[0]
+        if self.states_in is not None:
+            src = src + self.states_in(states.to(src.dtype))
         canvas = self.latent_in(z) + self.segment.weight[1] + time
         canvas_start = source_mask.sum(1, keepdim=True) if self.config.eos_id is None else torch.zeros(
             B, 1, dtype=torch.long, device=z.device)
@@ -168,6 +180,8 @@ class DD2Model(nn.Module):
         super().__init__()
         self.config = cfg
         self.vqvae = TextVQVAE(cfg.vqvae).requires_grad_(False).eval()  # frozen: no codebook updates
+        self.source_encoder = (Transformer(cfg.source_encoder).requires_grad_(False).eval()
+                               if cfg.source_encoder else None)
         self.denoiser = LatentDenoiser(cfg)
         self.schedule = NoiseSchedule(cfg.schedule)
         self.loss_parts: dict[str, float] = {}
@@ -175,6 +189,8 @@ class DD2Model(nn.Module):
     def train(self, mode: bool = True) -> DD2Model:
         super().train(mode)
         self.vqvae.eval()  # frozen: no dropout of codes, no codebook updates
+        if self.source_encoder is not None:
+            self.source_encoder.eval()
         return self
 
     def set_vqvae(self, vqvae: TextVQVAE) -> None:
@@ -182,6 +198,18 @@ class DD2Model(nn.Module):
         if vqvae.config.to_dict() != self.config.vqvae.to_dict():
             raise DiffarError("the VQ-VAE's config differs from the one this DD2 model is built for")
         self.vqvae.load_state_dict(vqvae.state_dict())
+
+    def set_source_encoder(self, ar: Transformer) -> None:
+        """Adopt a trained AR model as the source encoder (its config must equal this model's)."""
+        if self.source_encoder is None or ar.config.to_dict() != self.config.source_encoder.to_dict():
+            raise DiffarError("the AR model's config differs from the source encoder this DD2 model is built for")
+        self.source_encoder.load_state_dict(ar.state_dict())
+
+    @torch.no_grad()
+    def encode_source(self, source: torch.Tensor) -> torch.Tensor | None:
+        """The source encoder's final hidden states over right-padded sources (B, S, d) (causal: the padding
+        after a row's text does not reach it), or None without a source encoder."""
+        return None if self.source_encoder is None else self.source_encoder.hidden_states(source)
 
     @torch.no_grad()
     def calibrate(self, canvases: torch.Tensor) -> None:
@@ -199,14 +227,19 @@ class DD2Model(nn.Module):
         return self.vqvae.decode(z0 / self.config.latent_scale, canvas_mask)
 
     def predict(self, z: torch.Tensor, t: torch.Tensor, source: torch.Tensor, source_mask: torch.Tensor,
-                guidance_scale: float = 1.0, canvas_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The network's output with classifier-free guidance: u + w (c - u); w = 1 is conditional only."""
+                guidance_scale: float = 1.0, canvas_mask: torch.Tensor | None = None,
+                states: torch.Tensor | None = None) -> torch.Tensor:
+        """The network's output with classifier-free guidance: u + w (c - u); w = 1 is conditional only.
+        `states`: `encode_source(source)`, made here when not given (a many-step sampler makes it once)."""
+        if states is None:
+            states = self.encode_source(source)
         if guidance_scale == 1.0:
-            return self.denoiser(z, t, source, source_mask, canvas_mask)
+            return self.denoiser(z, t, source, source_mask, canvas_mask, states)
         B = len(z)
         out = self.denoiser(torch.cat([z, z]), torch.cat([t, t]), torch.cat([source, source]),
                             torch.cat([source_mask, torch.zeros_like(source_mask)]),
-                            None if canvas_mask is None else torch.cat([canvas_mask, canvas_mask]))
+                            None if canvas_mask is None else torch.cat([canvas_mask, canvas_mask]),
+                            None if states is None else torch.cat([states, states]))
         cond, uncond = out[:B], out[B:]
         return uncond + guidance_scale * (cond - uncond)
 
@@ -221,17 +254,18 @@ class DD2Model(nn.Module):
         noise = torch.randn_like(z0)
         z_t = self.schedule.q_sample(z0, t, noise)
         keep = (torch.rand(B, 1, device=z0.device) >= cfg.cond_drop) if self.training else True
+        states = self.encode_source(source)
         if cfg.prediction == "x0" and cfg.refine_prob:
-            z_t = self._from_drafts(z_t, t, source, source_mask & keep)
-        out = self.denoiser(z_t, t, source, source_mask & keep)
+            z_t = self._from_drafts(z_t, t, source, source_mask & keep, states)
+        out = self.denoiser(z_t, t, source, source_mask & keep, states=states)
         if cfg.prediction == "eps":
             loss = F.mse_loss(out, noise)
             self.loss_parts = {"eps_mse": float(loss.detach())}
             return out, loss
         return out, self._distillation_loss(out, z0, targets)
 
-    def _from_drafts(self, z_t: torch.Tensor, t: torch.Tensor, source: torch.Tensor,
-                     source_mask: torch.Tensor) -> torch.Tensor:
+    def _from_drafts(self, z_t: torch.Tensor, t: torch.Tensor, source: torch.Tensor, source_mask: torch.Tensor,
+                     states: torch.Tensor | None) -> torch.Tensor:
         """z_t with a `refine_prob` share of the t < 1 rows replaced by DDIM's second-step input: the noised
         one-step draft (no gradient through the draft)."""
         rows = ((t < 1) & (torch.rand(len(t), device=t.device) < self.config.refine_prob)).nonzero().squeeze(1)
@@ -239,7 +273,8 @@ class DD2Model(nn.Module):
             return z_t
         start = torch.randn_like(z_t[rows])
         with torch.no_grad():
-            draft = self.denoiser(start, torch.ones_like(t[rows]), source[rows], source_mask[rows])
+            draft = self.denoiser(start, torch.ones_like(t[rows]), source[rows], source_mask[rows],
+                                  states=None if states is None else states[rows])
         a = self.schedule.alpha_bar(t[rows]).view(-1, 1, 1).to(z_t.dtype)
         return z_t.index_put((rows,), a.sqrt() * draft + (1 - a).sqrt() * start)
 
