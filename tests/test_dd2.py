@@ -530,6 +530,12 @@ def test_cli_source_encoder(tiny_vqvae, tiny_run, tiny_dd2, tmp_path):
     gen = run_cli("generate", "--checkpoint", tmp_path / "enc", "--prompt", "To be, or not to be",
                   "--max-new-tokens", "20")
     assert gen.returncode == 0 and "20 tokens in" in gen.stdout + gen.stderr, gen.stderr
+    bench = run_cli("bench", "dd2", "--checkpoint", tmp_path / "enc", "--ar", tiny_run, "--prompts", "2",
+                    "--new-tokens", "20", "--batch-sizes", "1", "--methods", "ar", "dd2-1", "--split", "valid",
+                    "--out", tmp_path / "bench.json")
+    assert bench.returncode == 0, bench.stderr
+    for r in json.loads((tmp_path / "bench.json").read_text()):  # continuation: 20 tokens each, scored by AR
+        assert r["new_tokens"] == 20 and r["extra"]["ar_perplexity"] > 1 and 0 <= r["extra"]["seq_rep4"] <= 100
     more = run_cli(*args, "--init", tmp_path / "enc", "--source-encoder", tiny_run, "--out", tmp_path / "more")
     assert more.returncode == 0, more.stderr
     assert same_weights(load_checkpoint(tmp_path / "more")[0].source_encoder, teacher)

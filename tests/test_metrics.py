@@ -5,7 +5,7 @@ import pytest
 import sacrebleu
 from rouge_score import rouge_scorer
 
-from diffar.evaluation.metrics import bleu4, chrf, perplexity, rouge_l, text_metrics
+from diffar.evaluation.metrics import bleu4, chrf, perplexity, repetition, rouge_l, text_metrics
 
 HYP = ["The cat sat on the mat.", "Yahweh is my shepherd: I shall lack nothing."]
 REF = ["The cat is sitting on the mat.", "Yahweh is my shepherd; I shall lack nothing."]
@@ -34,3 +34,11 @@ def test_rouge_l_is_mean_f1():
     expected = 100 * sum(scorer.score(r, h)["rougeL"].fmeasure for h, r in zip(HYP, REF)) / 2
     assert rouge_l(HYP, REF) == expected
     assert set(text_metrics(HYP, REF)) == {"bleu4", "chrf", "rougeL"}
+
+
+def test_repetition_is_the_share_of_repeated_ngrams():
+    assert repetition([[1, 2, 3, 4, 5, 6]]) == 0.0
+    assert repetition([[7] * 10]) == pytest.approx(100 * 6 / 7)  # 7 four-grams, one distinct
+    # (1 2 3 4) comes back once among 5 four-grams; outputs shorter than n are left out of the mean
+    assert repetition([[1, 2, 3, 4, 1, 2, 3, 4], [1, 2]]) == pytest.approx(100 * 1 / 5)
+    assert repetition([[1, 2, 1, 2]], n=2) == pytest.approx(100 * 1 / 3)

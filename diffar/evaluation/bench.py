@@ -18,7 +18,7 @@ from diffar.decoding.refusion import DraftSchedule, refusion_generate
 from diffar.decoding.speculative import DraftModel, PromptLookup, speculative_generate
 from diffar.errors import DiffarError
 from diffar.evaluation.hardware import cpu_name
-from diffar.evaluation.metrics import conditional_perplexity, text_metrics
+from diffar.evaluation.metrics import conditional_perplexity, repetition, text_metrics
 
 
 @dataclass
@@ -171,7 +171,8 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
     so that no choice is tuned on the test split). seq2seq: the sources, AR stops at eos (at most
     2x the longest source + 16 tokens), DD2 fills its canvas; continuation: exactly `new_tokens` per row from
     every method (DD2 canvas after canvas). Quality: BLEU-4, chrF and ROUGE-L
-    against the references, and for continuation the AR model's perplexity of each method's output."""
+    against the references, and for continuation the AR model's perplexity of each method's output and its
+    repetition (seq-rep-4)."""
     model, tokenizer, meta = load_checkpoint(checkpoint)
     if meta["kind"] != "dd2":
         raise DiffarError(f"{checkpoint} is a {meta['kind']} checkpoint; bench dd2 needs a DD2 one")
@@ -229,6 +230,7 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
             if not seq2seq:
                 extra["ar_perplexity"] = round(conditional_perplexity(ar, [prompts[i] for i in range(len(outs))],
                                                                       outs), 2)
+                extra["seq_rep4"] = round(repetition(outs), 1)
             records.append(BenchRecord(
                 method=method, task=Path(corpus.name).name, batch_size=bs,
                 prompt_tokens=round(sum(map(len, prompts)) / len(prompts)), new_tokens=round(new / len(prompts)),

@@ -35,6 +35,18 @@ def text_metrics(hypotheses: list[str], references: list[str]) -> dict[str, floa
     }
 
 
+def repetition(outputs: list[list[int]], n: int = 4) -> float:
+    """seq-rep-n (Welleck et al. 2019, arXiv 1908.04319): the share of each output's n-grams that repeat an
+    earlier one, 1 - distinct / total, averaged over outputs that have any; 0-100. A low perplexity can come
+    from text that loops; this number tells."""
+    scores = []
+    for out in outputs:
+        grams = [tuple(out[i:i + n]) for i in range(len(out) - n + 1)]
+        if grams:
+            scores.append(1 - len(set(grams)) / len(grams))
+    return 100 * sum(scores) / max(1, len(scores))
+
+
 def perplexity(mean_nll: float) -> float:
     return math.exp(min(mean_nll, 50.0))
 
