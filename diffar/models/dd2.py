@@ -5,12 +5,12 @@
 The denoiser reads the source as a prefix (its own token embeddings). With `source_encoder` set, a frozen AR
 model (the distillation teacher) reads the source too, and its final hidden states are added to the prefix:
 what the teacher expects to come next is then one linear read away, as a latent diffusion model reads its
-prompt through a frozen text encoder. For seq2seq, source and canvas positions
-both count from 0, so RoPE sees how far a canvas slot is from a source token: monotone alignment comes cheap.
-A continuation canvas continues its source: its first slot takes the position after the last source token,
-so the nearest text in RoPE's terms is the text the canvas goes on from. The
-autoencoder (`TextVQVAE`) and the source encoder ride along frozen inside the checkpoint: it makes z0 from the training canvases
-and decodes a denoised latent into every token in one pass.
+prompt through a frozen text encoder. For seq2seq, source and canvas positions both count from 0, so RoPE
+sees how far a canvas slot is from a source token: monotone alignment comes cheap. A continuation canvas
+continues its source: its first slot takes the position after the last source token, so the nearest text in
+RoPE's terms is the text the canvas goes on from. The autoencoder (`TextVQVAE`) rides along frozen inside
+the checkpoint (as does the source encoder): it makes z0 from the training canvases and decodes a denoised
+latent into every token in one pass.
 
 Two parameterisations (`prediction`):
 - "eps" (stage 2, `diffar train dd2`): loss E||eps - eps_theta(z_t, t, c)||^2 over uniform t; samplers
