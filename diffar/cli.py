@@ -176,11 +176,23 @@ def _load_kind(path: str, kind: str, flag: str):
     return model, tokenizer, meta
 
 
+def _load_ar(path: str, flag: str, role: str, tokenizer):
+    """The AR model of an AR or ReFusion checkpoint that must share `tokenizer` (the DD2 model's); `role`
+    names it in errors."""
+    from diffar.checkpoint import ar_stream, load_checkpoint
+
+    model, ar_tokenizer, meta = load_checkpoint(path)
+    if meta["kind"] not in ("ar", "refusion"):
+        raise DiffarError(f"{flag} {path} is a {meta['kind']} checkpoint; {role} is an AR model")
+    if ar_tokenizer.sha256 != tokenizer.sha256:
+        raise DiffarError(f"{flag} {path} uses another tokenizer than the DD2 model")
+    return ar_stream(model)
+
+
 def _dd2_start(args, prediction: str):
     """The DD2 model a `train dd2` / `distill dd2` run starts from: --init (a DD2 checkpoint) and/or --vqvae
     (the autoencoder to build on), which must belong together, and --source-encoder (an AR model that reads
     the source; an --init model keeps its own). Returns (model, config, tokenizer)."""
-    from diffar.checkpoint import ar_stream, load_checkpoint
     from diffar.data.corpora import load_corpus
     from diffar.models.dd2 import DD2Config, DD2Model, same_weights
 
@@ -197,13 +209,7 @@ def _dd2_start(args, prediction: str):
         raise DiffarError("pass --vqvae CHECKPOINT (diffar train vqvae) or --init DD2_CHECKPOINT")
     encoder = None
     if args.source_encoder:
-        encoder, encoder_tokenizer, encoder_meta = load_checkpoint(args.source_encoder)
-        if encoder_meta["kind"] not in ("ar", "refusion"):
-            raise DiffarError(f"--source-encoder {args.source_encoder} is a {encoder_meta['kind']} checkpoint, "
-                              f"not an AR model")
-        if encoder_tokenizer.sha256 != tokenizer.sha256:
-            raise DiffarError(f"--source-encoder {args.source_encoder} uses another tokenizer than the DD2 model")
-        encoder = ar_stream(encoder)
+        encoder = _load_ar(args.source_encoder, "--source-encoder", "the source encoder", tokenizer)
         if init is not None and (init.source_encoder is None or not same_weights(init.source_encoder, encoder)):
             raise DiffarError(f"--init {args.init} does not read its source through --source-encoder "
                               f"{args.source_encoder}; an --init model keeps its own")
@@ -262,7 +268,6 @@ def cmd_train_dd2(args) -> None:
 def cmd_distill_dd2(args) -> None:
     import torch
 
-    from diffar.checkpoint import ar_stream, load_checkpoint
     from diffar.data.batching import canvas_examples
     from diffar.data.corpora import load_corpus
     from diffar.training.distill import teacher_outputs
@@ -271,12 +276,7 @@ def cmd_distill_dd2(args) -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model, cfg, tokenizer = _dd2_start(args, "x0")
-    teacher, teacher_tokenizer, teacher_meta = load_checkpoint(args.teacher)
-    if teacher_meta["kind"] not in ("ar", "refusion"):
-        raise DiffarError(f"--teacher {args.teacher} is a {teacher_meta['kind']} checkpoint; the teacher is an AR model")
-    if teacher_tokenizer.sha256 != tokenizer.sha256:
-        raise DiffarError(f"--teacher {args.teacher} uses another tokenizer than the DD2 model")
-    teacher = ar_stream(teacher)
+    teacher = _load_ar(args.teacher, "--teacher", "the teacher", tokenizer)
     corpus = load_corpus(args.corpus, "train")
     vq = cfg.vqvae
     pairs = canvas_examples(corpus, tokenizer, vq.prompt_len, vq.target_len, stride=vq.prompt_len)

@@ -540,7 +540,7 @@ def test_cli_source_encoder(tiny_vqvae, tiny_run, tiny_dd2, tmp_path):
     assert more.returncode == 0, more.stderr
     assert same_weights(load_checkpoint(tmp_path / "more")[0].source_encoder, teacher)
     assert_clean_error(run_cli(*args, "--vqvae", tiny_vqvae, "--source-encoder", tiny_vqvae, "--out", tmp_path / "a"),
-                       "not an AR model")
+                       "; the source encoder is an AR model")
     assert_clean_error(run_cli("distill", "dd2", "--teacher", tiny_run, "--init", tiny_dd2 / "eps", "--corpus",
                                "kjv2web", "--source-encoder", tiny_run, "--out", tmp_path / "b", *TINY_TRAIN),
                        "an --init model keeps its own")

@@ -170,9 +170,8 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
     sampling, on the same prompts in the same batches, from `split` (valid when comparing training choices,
     so that no choice is tuned on the test split). seq2seq: the sources, AR stops at eos (at most
     2x the longest source + 16 tokens), DD2 fills its canvas; continuation: exactly `new_tokens` per row from
-    every method (DD2 canvas after canvas). Quality: BLEU-4, chrF and ROUGE-L
-    against the references, and for continuation the AR model's perplexity of each method's output and its
-    repetition (seq-rep-4)."""
+    every method (DD2 canvas after canvas). Quality: BLEU-4, chrF and ROUGE-L against the references, and for
+    continuation the AR model's perplexity of each method's output and its repetition (seq-rep-4)."""
     model, tokenizer, meta = load_checkpoint(checkpoint)
     if meta["kind"] != "dd2":
         raise DiffarError(f"{checkpoint} is a {meta['kind']} checkpoint; bench dd2 needs a DD2 one")
