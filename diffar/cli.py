@@ -192,7 +192,10 @@ def _load_ar(path: str, flag: str, role: str, tokenizer):
 def _dd2_start(args, prediction: str):
     """The DD2 model a `train dd2` / `distill dd2` run starts from: --init (a DD2 checkpoint) and/or --vqvae
     (the autoencoder to build on), which must belong together, and --source-encoder (an AR model that reads
-    the source; an --init model keeps its own). Returns (model, config, tokenizer)."""
+    the source; an --init model keeps its own, or gains one through a zero map, so it starts out unchanged).
+    Returns (model, config, tokenizer)."""
+    from torch import nn
+
     from diffar.data.corpora import load_corpus
     from diffar.models.dd2 import DD2Config, DD2Model, same_weights
 
@@ -210,7 +213,7 @@ def _dd2_start(args, prediction: str):
     encoder = None
     if args.source_encoder:
         encoder = _load_ar(args.source_encoder, "--source-encoder", "the source encoder", tokenizer)
-        if init is not None and (init.source_encoder is None or not same_weights(init.source_encoder, encoder)):
+        if init is not None and init.source_encoder is not None and not same_weights(init.source_encoder, encoder):
             raise DiffarError(f"--init {args.init} does not read its source through --source-encoder "
                               f"{args.source_encoder}; an --init model keeps its own")
     if args.canvas_len and load_corpus(args.corpus, "train").task != "continuation":
@@ -224,19 +227,23 @@ def _dd2_start(args, prediction: str):
                                                "semantic_weight", "refine_prob")
                  if getattr(args, k, None) is not None}
     overrides["prediction"] = prediction
+    if encoder is not None:
+        overrides["source_encoder"] = encoder.config
     if init is not None:
         cfg = DD2Config.from_dict({**init.config.to_dict(), **overrides})
     else:
-        if encoder is not None:
-            overrides["source_encoder"] = encoder.config
         cfg = DD2Config.from_preset(args.preset, vqvae.config, **overrides)
     model = DD2Model(cfg)
-    if init is not None:
-        model.load_state_dict(init.state_dict())
-    else:
+    if init is None:
         model.set_vqvae(vqvae)
-        if encoder is not None:
-            model.set_source_encoder(encoder)
+    elif encoder is not None and init.source_encoder is None:
+        model.load_state_dict(init.state_dict(), strict=False)  # all but the new encoder and its map
+        nn.init.zeros_(model.denoiser.states_in.weight)
+        nn.init.zeros_(model.denoiser.states_in.bias)
+    else:
+        model.load_state_dict(init.state_dict())
+    if encoder is not None:
+        model.set_source_encoder(encoder)
     return model, cfg, tokenizer
 
 

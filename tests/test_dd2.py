@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from conftest import TINY_TRAIN, assert_clean_error, random_model, run_cli, start_server
 from diffar.checkpoint import load_checkpoint, write_checkpoint
+from diffar.cli import _dd2_start, build_parser
 from diffar.data.batching import pad_right
 from diffar.decoding.ar import generate
 from diffar.decoding.dd2 import DD2Sampling, adaptive_steps, dd2_generate, hybrid_generate
@@ -516,8 +517,8 @@ def test_cli_canvas_len(tiny_vqvae, tiny_run, tmp_path):
 
 def test_cli_source_encoder(tiny_vqvae, tiny_run, tiny_dd2, tmp_path):
     """--source-encoder puts a frozen copy of an AR model in the DD2 checkpoint to read the source; a run
-    continued from it keeps it, and checkpoints that are not AR models, or an --init model without that
-    encoder, are clear errors."""
+    continued from it keeps it, an --init model without one gains it (starting out unchanged), and
+    checkpoints that are not AR models, or another encoder than an --init model's own, are clear errors."""
     args = ("distill", "dd2", "--teacher", tiny_run, "--corpus", "shakespeare", "--teacher-examples", "8",
             "--max-steps", "2", *TINY_TRAIN)
     proc = run_cli(*args, "--vqvae", tiny_vqvae, "--source-encoder", tiny_run, "--canvas-len", "16",
@@ -541,9 +542,23 @@ def test_cli_source_encoder(tiny_vqvae, tiny_run, tiny_dd2, tmp_path):
     assert same_weights(load_checkpoint(tmp_path / "more")[0].source_encoder, teacher)
     assert_clean_error(run_cli(*args, "--vqvae", tiny_vqvae, "--source-encoder", tiny_vqvae, "--out", tmp_path / "a"),
                        "; the source encoder is an AR model")
-    assert_clean_error(run_cli("distill", "dd2", "--teacher", tiny_run, "--init", tiny_dd2 / "eps", "--corpus",
-                               "kjv2web", "--source-encoder", tiny_run, "--out", tmp_path / "b", *TINY_TRAIN),
-                       "an --init model keeps its own")
+    other, tokenizer, meta = load_checkpoint(tiny_run)  # the teacher with other weights
+    with torch.no_grad():
+        other.lm_head.weight.add_(1.0)
+    write_checkpoint(tmp_path / "other", other, meta, tokenizer)
+    assert_clean_error(run_cli(*args, "--init", tmp_path / "enc", "--source-encoder", tmp_path / "other",
+                               "--out", tmp_path / "b"), "an --init model keeps its own")
+    # an --init model without an encoder gains one through a zero map: its predictions start out unchanged
+    plain = load_checkpoint(tiny_dd2 / "x0")[0].eval()
+    gained = _dd2_start(build_parser().parse_args(
+        ["distill", "dd2", "--teacher", str(tiny_run), "--init", str(tiny_dd2 / "x0"), "--corpus", "kjv2web",
+         "--source-encoder", str(tiny_run), "--out", str(tmp_path / "c")]), "x0")[0].eval()
+    assert same_weights(gained.source_encoder, teacher)
+    source = torch.randint(5, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    z = torch.randn(2, 12, plain.config.vqvae.d_latent, generator=torch.Generator().manual_seed(1))
+    mask, t = torch.ones_like(source, dtype=torch.bool), torch.ones(2)
+    assert gained.encode_source(source).abs().sum() > 0
+    torch.testing.assert_close(gained.predict(z, t, source, mask), plain.predict(z, t, source, mask))
 
 
 def test_serve_dd2(tiny_dd2, tiny_vqvae, tiny_run):
