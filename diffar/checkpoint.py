@@ -142,9 +142,12 @@ def ar_stream(model: torch.nn.Module) -> Transformer:
     return model.ar if isinstance(model, RefusionModel) else model
 
 
-def load_draft(path: str | Path, tokenizer: Tokenizer) -> Transformer:
-    """A drafter for speculative decoding: a checkpoint that must share the target's tokenizer."""
-    draft, draft_tokenizer, _ = load_checkpoint(path)
-    if draft_tokenizer.sha256 != tokenizer.sha256:
-        raise DiffarError(f"draft {path} and the checkpoint use different tokenizers; they must share one")
-    return ar_stream(draft)
+def load_ar(path: str | Path, tokenizer: Tokenizer, flag: str) -> Transformer:
+    """The AR model of an AR or ReFusion checkpoint passed as `flag` (a drafter, teacher, ...), which must
+    share `tokenizer` with the model it works with."""
+    model, ar_tokenizer, meta = load_checkpoint(path)
+    if meta["kind"] not in ("ar", "refusion"):
+        raise DiffarError(f"{flag} {path} is a {meta['kind']} checkpoint; it must be an AR or ReFusion one")
+    if ar_tokenizer.sha256 != tokenizer.sha256:
+        raise DiffarError(f"{flag} {path} uses another tokenizer than the model it works with; they must share one")
+    return ar_stream(model)

@@ -176,19 +176,6 @@ def _load_kind(path: str, kind: str, flag: str):
     return model, tokenizer, meta
 
 
-def _load_ar(path: str, flag: str, role: str, tokenizer):
-    """The AR model of an AR or ReFusion checkpoint that must share `tokenizer` (the DD2 model's); `role`
-    names it in errors."""
-    from diffar.checkpoint import ar_stream, load_checkpoint
-
-    model, ar_tokenizer, meta = load_checkpoint(path)
-    if meta["kind"] not in ("ar", "refusion"):
-        raise DiffarError(f"{flag} {path} is a {meta['kind']} checkpoint; {role} is an AR model")
-    if ar_tokenizer.sha256 != tokenizer.sha256:
-        raise DiffarError(f"{flag} {path} uses another tokenizer than the DD2 model")
-    return ar_stream(model)
-
-
 def _dd2_start(args, prediction: str):
     """The DD2 model a `train dd2` / `distill dd2` run starts from: --init (a DD2 checkpoint) and/or --vqvae
     (the autoencoder to build on), which must belong together, and --source-encoder (an AR model that reads
@@ -196,6 +183,7 @@ def _dd2_start(args, prediction: str):
     Returns (model, config, tokenizer)."""
     from torch import nn
 
+    from diffar.checkpoint import load_ar
     from diffar.data.corpora import load_corpus
     from diffar.models.dd2 import DD2Config, DD2Model, same_weights
 
@@ -212,7 +200,7 @@ def _dd2_start(args, prediction: str):
         raise DiffarError("pass --vqvae CHECKPOINT (diffar train vqvae) or --init DD2_CHECKPOINT")
     encoder = None
     if args.source_encoder:
-        encoder = _load_ar(args.source_encoder, "--source-encoder", "the source encoder", tokenizer)
+        encoder = load_ar(args.source_encoder, tokenizer, "--source-encoder")
         if init is not None and init.source_encoder is not None and not same_weights(init.source_encoder, encoder):
             raise DiffarError(f"--init {args.init} does not read its source through --source-encoder "
                               f"{args.source_encoder}; an --init model keeps its own")
@@ -275,6 +263,7 @@ def cmd_train_dd2(args) -> None:
 def cmd_distill_dd2(args) -> None:
     import torch
 
+    from diffar.checkpoint import load_ar
     from diffar.data.batching import canvas_examples
     from diffar.data.corpora import load_corpus
     from diffar.training.distill import teacher_outputs
@@ -283,7 +272,7 @@ def cmd_distill_dd2(args) -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model, cfg, tokenizer = _dd2_start(args, "x0")
-    teacher = _load_ar(args.teacher, "--teacher", "the teacher", tokenizer)
+    teacher = load_ar(args.teacher, tokenizer, "--teacher")
     corpus = load_corpus(args.corpus, "train")
     vq = cfg.vqvae
     pairs = canvas_examples(corpus, tokenizer, vq.prompt_len, vq.target_len, stride=vq.prompt_len)
@@ -396,7 +385,7 @@ def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
     """Sample with DD2 (optionally hybrid with an AR model) and print the text, then the speed line."""
     import torch
 
-    from diffar.checkpoint import ar_stream, load_checkpoint
+    from diffar.checkpoint import load_ar
     from diffar.data.batching import prompt_ids
     from diffar.decoding.dd2 import DD2Sampling, dd2_generate, hybrid_generate
 
@@ -416,10 +405,8 @@ def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
     decode = dict(sampling=sampling, eos_id=tokenizer.eos_id if meta["task"] == "seq2seq" else None,
                   pad_id=tokenizer.pad_id, generator=generator)
     if args.hybrid:
-        ar, ar_tokenizer, _ = load_checkpoint(args.hybrid)
-        if ar_tokenizer.sha256 != tokenizer.sha256:
-            raise DiffarError(f"--hybrid {args.hybrid} uses another tokenizer than {args.checkpoint}")
-        result = hybrid_generate(model, ar_stream(ar), [source], [prompt_ids(tokenizer, meta["task"], text)],
+        ar = load_ar(args.hybrid, tokenizer, "--hybrid")
+        result = hybrid_generate(model, ar, [source], [prompt_ids(tokenizer, meta["task"], text)],
                                  args.max_new_tokens, **decode)
     else:
         result = dd2_generate(model, [source], args.max_new_tokens, **decode)
@@ -436,7 +423,7 @@ def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
 
 def _proposer(args, tokenizer):
     """The drafter plain AR `generate` verifies against, if any: a draft model or prompt lookup."""
-    from diffar.checkpoint import load_draft
+    from diffar.checkpoint import load_ar
     from diffar.decoding.speculative import DraftModel, PromptLookup
 
     if args.draft and args.prompt_lookup:
@@ -445,7 +432,7 @@ def _proposer(args, tokenizer):
         return PromptLookup()
     if not args.draft:
         return None
-    return DraftModel(load_draft(args.draft, tokenizer))
+    return DraftModel(load_ar(args.draft, tokenizer, "--draft"))
 
 
 # ---- eval / bench ---------------------------------------------------------------------------------

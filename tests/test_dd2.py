@@ -490,7 +490,7 @@ def test_cli_bad_input(tiny_dd2, tiny_vqvae, tiny_run, tokenizer_path, tmp_path)
     assert_clean_error(run_cli("train", "dd2", "--corpus", "kjv2web", "--out", tmp_path / "y", *TINY_TRAIN),
                        "pass --vqvae")
     assert_clean_error(run_cli("distill", "dd2", "--teacher", tiny_dd2 / "x0", "--init", tiny_dd2 / "eps",
-                               "--corpus", "kjv2web", "--out", tmp_path / "z", *TINY_TRAIN), "the teacher is an AR model")
+                               "--corpus", "kjv2web", "--out", tmp_path / "z", *TINY_TRAIN), "; it must be an AR or ReFusion one")
     assert_clean_error(run_cli("bench", "dd2", "--checkpoint", tiny_run, "--out", tmp_path / "b.json"),
                        "bench dd2 needs a DD2 one")
     assert_clean_error(run_cli("bench", "dd2", "--checkpoint", tiny_dd2 / "x0", "--ar", tiny_run, "--methods", "dd2-0",
@@ -541,7 +541,7 @@ def test_cli_source_encoder(tiny_vqvae, tiny_run, tiny_dd2, tmp_path):
     assert more.returncode == 0, more.stderr
     assert same_weights(load_checkpoint(tmp_path / "more")[0].source_encoder, teacher)
     assert_clean_error(run_cli(*args, "--vqvae", tiny_vqvae, "--source-encoder", tiny_vqvae, "--out", tmp_path / "a"),
-                       "; the source encoder is an AR model")
+                       "; it must be an AR or ReFusion one")
     other, tokenizer, meta = load_checkpoint(tiny_run)  # the teacher with other weights
     with torch.no_grad():
         other.lm_head.weight.add_(1.0)

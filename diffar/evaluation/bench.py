@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from diffar.checkpoint import ar_stream, load_checkpoint, load_draft
+from diffar.checkpoint import ar_stream, load_ar, load_checkpoint
 from diffar.data.batching import prompt_ids
 from diffar.data.corpora import load_corpus
 from diffar.decoding.ar import generate
@@ -89,7 +89,7 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
     ar = ar_stream(model)
     if any(m.startswith("refusion") for m in methods) and meta["kind"] != "refusion":
         raise DiffarError(f"{checkpoint} is an AR checkpoint; the refusion methods need a ReFusion one")
-    draft_model = load_draft(draft, tokenizer) if "ar+draft" in methods else None
+    draft_model = load_ar(draft, tokenizer, "--draft") if "ar+draft" in methods else None
     corpus = load_corpus(corpus_name or meta["corpus"], split)
     texts, references = _prompts(corpus, n_prompts)
     if not texts:
@@ -175,10 +175,7 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
     model, tokenizer, meta = load_checkpoint(checkpoint)
     if meta["kind"] != "dd2":
         raise DiffarError(f"{checkpoint} is a {meta['kind']} checkpoint; bench dd2 needs a DD2 one")
-    ar, ar_tokenizer, _ = load_checkpoint(ar_checkpoint)
-    ar = ar_stream(ar)
-    if ar_tokenizer.sha256 != tokenizer.sha256:
-        raise DiffarError(f"--ar {ar_checkpoint} uses another tokenizer than {checkpoint}")
+    ar = load_ar(ar_checkpoint, tokenizer, "--ar")
     samplings = {method: dd2_method(method) for method in methods}
     corpus = load_corpus(corpus_name or meta["corpus"], split)
     if corpus.task != meta["task"]:
