@@ -328,6 +328,8 @@ def cmd_generate(args) -> None:
                           if meta["kind"] == "dd2" else f"{args.checkpoint} is an autoencoder; it does not generate")
     if method != "refusion" and (args.dynamic or args.plan_infill is not None):
         raise DiffarError("--dynamic and --plan-infill apply to --method refusion only")
+    if args.plan_slot != 1 and args.plan_infill is None:
+        raise DiffarError("--plan-slot sizes --plan-infill's slots; pass --plan-infill THRESHOLD too")
     if method != "dd2" and (args.preset or args.guidance is not None or args.tau is not None or args.hybrid
                             or args.adaptive_steps or args.sampler or args.tau_min is not None):
         raise DiffarError("--preset, --guidance, --tau, --tau-min, --sampler, --adaptive-steps and --hybrid apply to "
@@ -336,7 +338,8 @@ def cmd_generate(args) -> None:
         raise DiffarError("--steps applies to --method refusion or dd2")
     if method == "dd2":
         return _generate_dd2(args, model, tokenizer, meta, text)
-    schedule = DraftSchedule(steps=1 if args.steps is None else args.steps, dynamic=args.dynamic, plan_threshold=args.plan_infill)
+    schedule = DraftSchedule(steps=1 if args.steps is None else args.steps, dynamic=args.dynamic,
+                             plan_threshold=args.plan_infill, plan_slot=args.plan_slot)
     ar = ar_stream(model)
     proposer = _proposer(args, tokenizer) if method == "ar" else None
     ids = prompt_ids(tokenizer, meta["task"], text)
@@ -523,7 +526,8 @@ def cmd_bench_lossless(args) -> None:
     if args.k <= 0:
         raise DiffarError(f"--k must be positive, got {args.k}")
     records = bench_lossless(args.checkpoint, args.draft, args.corpus, args.prompts, args.new_tokens, args.k,
-                             args.batch_sizes, args.methods, getattr(args, "plan_threshold", 0.9), args.split)
+                             args.batch_sizes, args.methods, getattr(args, "plan_threshold", 0.9),
+                             getattr(args, "plan_slot", 1), args.split)
     print_table(records)
     write_records(records, args.out)
 
@@ -702,6 +706,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dynamic", action="store_true", help="refusion: the seed's dynamic schedule")
     g.add_argument("--plan-infill", type=float, metavar="THRESHOLD",
                    help="refusion: keep drafts at least this confident unverified (faster, not lossless)")
+    g.add_argument("--plan-slot", type=_positive_int, default=1, metavar="N",
+                   help="refusion --plan-infill: plan slots of N tokens, each kept or infilled whole (default 1)")
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval", help="BLEU-4/chrF/ROUGE-L and perplexity on a corpus split")
@@ -733,6 +739,7 @@ def build_parser() -> argparse.ArgumentParser:
     brf.add_argument("--methods", nargs="+",
                      default=["ar", "ar+prompt-lookup", "ar+draft", "refusion", "refusion-dynamic", "refusion-infill"])
     brf.add_argument("--plan-threshold", type=float, default=0.9, help="refusion-infill: keep drafts this confident")
+    brf.add_argument("--plan-slot", type=_positive_int, default=1, help="refusion-infill: tokens per planned slot")
     for p in (bsp, brf):
         p.add_argument("--corpus", help="prompts from this corpus (default: the checkpoint's corpus)")
         p.add_argument("--split", default="test", choices=("valid", "test"), help=SPLIT_HELP)

@@ -9,7 +9,7 @@ import torch
 from diffar.checkpoint import load_checkpoint
 from diffar.data.batching import prompt_ids
 from diffar.decoding.ar import Batch, generate, prefill
-from diffar.decoding.refusion import DiffusionDrafter, DraftSchedule, refusion_generate
+from diffar.decoding.refusion import DiffusionDrafter, DraftSchedule, plan_slots, refusion_generate
 from diffar.decoding.sampling import SamplingConfig
 from diffar.decoding.speculative import DecodeState, speculative_generate
 from diffar.errors import DiffarError
@@ -110,8 +110,23 @@ def test_plan_and_infill(model):
                                adaptive=False)
     assert always.accepted == always.drafted and always.target_passes == 1 + -(-29 // 5)
     assert always.tokens != plain and all(len(t) == 30 for t in always.tokens)
+    slots = refusion_generate(model, PROMPTS, 30, k=4, eos_id=None, adaptive=False,
+                              schedule=DraftSchedule(plan_threshold=1e-9, plan_slot=3))
+    assert slots.tokens == always.tokens  # every slot planned, whatever its size
     with pytest.raises(DiffarError, match="plan-and-infill threshold"):
         DraftSchedule(plan_threshold=0.0)
+    with pytest.raises(DiffarError, match="plan-and-infill slot"):
+        DraftSchedule(plan_threshold=0.5, plan_slot=0)
+
+
+def test_plan_slots():
+    """A slot is kept whole only when every token in it is confident; the last slot may be shorter."""
+    confidence = torch.tensor([0.95, 0.99, 0.5, 0.97, 0.91, 0.92, 0.93])
+    assert plan_slots(confidence, 0.9, 1) == [True, True, False, True, True, True, True]
+    assert plan_slots(confidence, 0.9, 2) == [True, True, False, False, True, True, True]
+    assert plan_slots(confidence, 0.9, 3) == [False, False, False, True, True, True, True]
+    assert plan_slots(confidence, 0.9, 4) == [False] * 4 + [True] * 3
+    assert plan_slots(confidence, 0.96, 8) == [False] * 7
 
 
 def test_schedule_phases():
@@ -249,18 +264,20 @@ def test_cli_generate_and_bench(tiny_refusion, tmp_path):
     ar = run_cli("generate", "--checkpoint", tiny_refusion, "--method", "ar", *prompt)
     refusion = run_cli("generate", "--checkpoint", tiny_refusion, *prompt)
     dynamic = run_cli("generate", "--checkpoint", tiny_refusion, "--dynamic", "--steps", "2", *prompt)
-    infill = run_cli("generate", "--checkpoint", tiny_refusion, "--plan-infill", "0.5", *prompt)
+    infill = run_cli("generate", "--checkpoint", tiny_refusion, "--plan-infill", "0.5", "--plan-slot", "2", *prompt)
     for proc in (ar, refusion, dynamic):
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout == ar.stdout  # lossless
     assert infill.returncode == 0 and "[refusion-infill]" in infill.stderr
+    assert_clean_error(run_cli("generate", "--checkpoint", tiny_refusion, "--plan-slot", "2", *prompt),
+                       "pass --plan-infill THRESHOLD too")
     assert "[refusion]" in refusion.stderr and "diffusion passes" in refusion.stderr
     assert "0/0 drafts accepted" not in refusion.stderr  # an 11-word prompt is still drafted for
     assert "tokens/AR pass" in refusion.stderr and "drafts accepted" in refusion.stderr
     out = tmp_path / "bench.json"
     proc = run_cli("bench", "refusion", "--checkpoint", tiny_refusion, "--draft", tiny_refusion, "--prompts", "4",
                    "--batch-sizes", "1", "2", "--methods", "ar", "ar+prompt-lookup", "refusion", "refusion-dynamic",
-                   "refusion-infill", "--split", "valid", "--out", out)
+                   "refusion-infill", "--plan-slot", "2", "--split", "valid", "--out", out)
     assert proc.returncode == 0, proc.stderr
     import json
 
@@ -272,6 +289,7 @@ def test_cli_generate_and_bench(tiny_refusion, tmp_path):
         assert r["extra"]["tokens_per_ar_pass"] > 0 and {"bleu4", "rougeL"} <= set(r["extra"])
         assert r["extra"]["split"] == "valid"
         assert r["extra"]["exact_match_vs_ar"] == 1.0 or r["method"] not in lossless
+        assert r["extra"]["plan_slot"] == (2 if r["method"] == "refusion-infill" else None)
 
 
 def test_serve_refusion(tiny_refusion, tiny_run):

@@ -10,11 +10,12 @@ The seed's dynamic schedule decides per row how hard to draft: `full_steps` deno
 20 % of the output, 1..`mid_steps` by the last draft's confidence up to 70 %, then none (pure AR); rows
 whose prompt has fewer than 15 words are decoded by the AR stream alone.
 
-Plan-and-infill (after ReFusion, arXiv 2512.13586, at the granularity of single-token slots): the diffusion
-stream plans the slots it is confident of (max probability >= `plan_threshold`) and keeps them without
-verification; in the same pass the AR stream infills the other slots, each conditioned on the block before
-it, and the block ends at the first infilled slot that disagrees with its draft. Faster, and no longer
-lossless: quality is measured against the references, not assumed.
+Plan-and-infill (after ReFusion, arXiv 2512.13586): a draft is cut into slots of `plan_slot` contiguous tokens
+(the paper's granularity; 1 plans token by token). The diffusion stream plans the slots it is confident of
+(every token's max probability >= `plan_threshold`) and keeps them without verification; in the same pass
+the AR stream infills the other slots token by token, each token conditioned on the block before it, and
+the block ends at the first infilled token that disagrees with its draft. Faster, and no longer lossless:
+quality is measured against the references, not assumed.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class DraftSchedule:
     mid_steps: int = 2  # the most steps in the middle phase (1 when the last draft was confident)
     min_prompt_words: int = 15  # dynamic: prompts of fewer words are decoded by the AR stream alone
     plan_threshold: float | None = None  # plan-and-infill: keep drafts this confident unverified (lossy)
+    plan_slot: int = 1  # plan-and-infill: tokens per slot, planned (kept) or infilled as a whole
 
     def __post_init__(self):
         if min(self.steps, self.full_steps, self.mid_steps) <= 0:
@@ -49,6 +51,8 @@ class DraftSchedule:
                               f"{self.late}")
         if self.plan_threshold is not None and not 0 < self.plan_threshold <= 1:
             raise DiffarError(f"the plan-and-infill threshold must be in (0, 1], got {self.plan_threshold}")
+        if self.plan_slot <= 0:
+            raise DiffarError(f"the plan-and-infill slot must be at least 1 token, got {self.plan_slot}")
 
     def steps_for(self, progress: float, confidence: float) -> int:
         """Denoising steps for a row `progress` of the way through its output (0: do not draft)."""
@@ -59,6 +63,14 @@ class DraftSchedule:
         if progress < self.late:
             return 1 + round((self.mid_steps - 1) * (1 - confidence))
         return 0
+
+
+def plan_slots(confidence: torch.Tensor, threshold: float, slot: int) -> list[bool]:
+    """Plan-and-infill's plan for one draft (confidence (k,)): per token, whether its slot of `slot` tokens
+    (the last one may be shorter) is kept unverified, i.e. every token in the slot is >= `threshold` sure."""
+    ok = confidence >= threshold
+    whole = torch.cat([ok, ok.new_ones(-len(ok) % slot)]).view(-1, slot).all(1)
+    return whole.repeat_interleave(slot)[:len(ok)].tolist()
 
 
 def denoise_block(diffuser: TextDiffuser, context: torch.Tensor, context_mask: torch.Tensor,
@@ -160,7 +172,7 @@ class DiffusionDrafter:
             if schedule.dynamic:
                 self.confidence[r] = float(confidence[i].mean())
             if schedule.plan_threshold:
-                draft.planned = (confidence[i] >= schedule.plan_threshold).tolist()
+                draft.planned = plan_slots(confidence[i], schedule.plan_threshold, schedule.plan_slot)
             out[r] = draft
         return out
 

@@ -74,12 +74,12 @@ def _prompts(corpus, n_prompts: int) -> tuple[list[str], list[str]]:
 
 
 def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, n_prompts: int, new_tokens: int,
-                   k: int, batch_sizes: list[int], methods: list[str], plan_threshold: float = 0.9,
+                   k: int, batch_sizes: list[int], methods: list[str], plan_threshold: float = 0.9, plan_slot: int = 1,
                    split: str = "test") -> list[BenchRecord]:
     """Greedy AR against the draft-and-verify methods, all verifying with the same AR weights (a ReFusion
     checkpoint's AR stream, or an AR checkpoint), on the same prompts in the same batches, from `split`
     (valid when comparing training choices). All are lossless but `refusion-infill` (plan-and-infill,
-    keeping diffusion drafts at least `plan_threshold` confident).
+    keeping diffusion drafts at least `plan_threshold` confident, in slots of `plan_slot` tokens).
 
     seq2seq runs stop at eos (at most 2x the longest source of the batch + 16 tokens); continuation runs
     make exactly `new_tokens` (eos ignored). Outputs are scored against the references (the real
@@ -106,7 +106,8 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
         "refusion-dynamic": lambda ps, n, w: refusion_generate(model, ps, n, k=k_refusion, eos_id=eos, prompt_words=w,
                                                                schedule=DraftSchedule(dynamic=True)),
         "refusion-infill": lambda ps, n, w: refusion_generate(model, ps, n, k=k_refusion, eos_id=eos,
-                                                              schedule=DraftSchedule(plan_threshold=plan_threshold)),
+                                                              schedule=DraftSchedule(plan_threshold=plan_threshold,
+                                                                                     plan_slot=plan_slot)),
     }
     unknown = set(methods) - set(runners)
     if unknown:
@@ -139,6 +140,7 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
                 forward_passes=round(passes / len(batches)),
                 extra={"split": split, "prompts": len(prompts),
                        "plan_threshold": plan_threshold if method == "refusion-infill" else None,
+                       "plan_slot": plan_slot if method == "refusion-infill" else None,
                        "k": None if method == "ar" else k_refusion if method.startswith("refusion") else k,
                        "tokens_per_ar_pass": round(new / row_passes, 3),
                        "draft_passes": round(draft_passes / len(batches)) if method != "ar" else None,
