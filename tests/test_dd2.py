@@ -126,7 +126,8 @@ def test_distillation_loss_weights_are_applied_as_configured(weights):
     parts = model.loss_parts
     expected = sum(weights[f"{k}_weight"] * parts[k] for k in ("mse", "ce", "bleu", "semantic") if k in parts)
     assert float(loss.detach()) == pytest.approx(expected, rel=1e-5)
-    assert ("bleu" in parts) == bool(weights["bleu_weight"]) and ("semantic" in parts) == bool(weights["semantic_weight"])
+    assert ("bleu" in parts) == bool(weights["bleu_weight"])
+    assert ("semantic" in parts) == bool(weights["semantic_weight"])
     loss.backward()
     assert model.denoiser.latent_out.weight.grad.abs().sum() > 0
     assert all(p.grad is None for p in model.vqvae.parameters())  # the autoencoder stays frozen
@@ -490,7 +491,8 @@ def test_cli_bad_input(tiny_dd2, tiny_vqvae, tiny_run, tokenizer_path, tmp_path)
     assert_clean_error(run_cli("train", "dd2", "--corpus", "kjv2web", "--out", tmp_path / "y", *TINY_TRAIN),
                        "pass --vqvae")
     assert_clean_error(run_cli("distill", "dd2", "--teacher", tiny_dd2 / "x0", "--init", tiny_dd2 / "eps",
-                               "--corpus", "kjv2web", "--out", tmp_path / "z", *TINY_TRAIN), "; it must be an AR or ReFusion one")
+                               "--corpus", "kjv2web", "--out", tmp_path / "z", *TINY_TRAIN),
+                       "; it must be an AR or ReFusion one")
     assert_clean_error(run_cli("bench", "dd2", "--checkpoint", tiny_run, "--out", tmp_path / "b.json"),
                        "bench dd2 needs a DD2 one")
     assert_clean_error(run_cli("bench", "dd2", "--checkpoint", tiny_dd2 / "x0", "--ar", tiny_run, "--methods", "dd2-0",

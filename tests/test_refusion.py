@@ -337,10 +337,12 @@ def test_cli_two_stages(tiny_run, tokenizer_path, tmp_path):
     stage1 = run_cli("train", "refusion", "--stage", "diffusion", "--tokenizer", tokenizer_path, *common,
                      "--out", tmp_path / "s1")
     assert stage1.returncode == 0, stage1.stderr
-    stage2 = run_cli("train", "refusion", "--ar", tiny_run, "--init", tmp_path / "s1", *common, "--out", tmp_path / "s2")
+    stage2 = run_cli("train", "refusion", "--ar", tiny_run, "--init", tmp_path / "s1", *common,
+                     "--out", tmp_path / "s2")
     assert stage2.returncode == 0, stage2.stderr
     longer = [a if a != "4" else "6" for a in common]  # resuming: its config (fusion layers) holds tuples
-    resumed = run_cli("train", "refusion", "--ar", tiny_run, "--init", tmp_path / "s1", *longer, "--out", tmp_path / "s2")
+    resumed = run_cli("train", "refusion", "--ar", tiny_run, "--init", tmp_path / "s1", *longer,
+                      "--out", tmp_path / "s2")
     assert resumed.returncode == 0 and "resuming at step 4" in resumed.stdout, resumed.stderr
     first, _, meta1 = load_checkpoint(tmp_path / "s1")
     second, _, meta2 = load_checkpoint(tmp_path / "s2")

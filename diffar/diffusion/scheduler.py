@@ -76,7 +76,8 @@ class DDIMScheduler(Scheduler):
 class DDPMScheduler(Scheduler):
     """Ancestral sampling from the posterior q(z_s | z_t, x0_hat) (Ho et al. 2020, arXiv 2006.11239, eq. 7),
     for any grid of times s < t: with a_ts = alpha_bar_t / alpha_bar_s,
-        mean = sqrt(alpha_bar_s) (1 - a_ts) / (1 - alpha_bar_t) x0 + sqrt(a_ts) (1 - alpha_bar_s) / (1 - alpha_bar_t) z_t
+        mean = sqrt(alpha_bar_s) (1 - a_ts) / (1 - alpha_bar_t) x0
+               + sqrt(a_ts) (1 - alpha_bar_s) / (1 - alpha_bar_t) z_t
         var  = (1 - alpha_bar_s) / (1 - alpha_bar_t) (1 - a_ts)."""
 
     def step(self, model_output: torch.Tensor, t: float, z_t: torch.Tensor,
