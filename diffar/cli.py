@@ -408,7 +408,7 @@ def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
     decode = dict(sampling=sampling, eos_id=tokenizer.eos_id if meta["task"] == "seq2seq" else None,
                   pad_id=tokenizer.pad_id, generator=generator)
     if args.hybrid:
-        ar = load_ar(args.hybrid, tokenizer, "--hybrid")
+        ar = load_ar(args.hybrid, tokenizer, "--hybrid", task=meta["task"])
         result = hybrid_generate(model, ar, [source], [prompt_ids(tokenizer, meta["task"], text)],
                                  args.max_new_tokens, **decode)
     else:

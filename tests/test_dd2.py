@@ -517,10 +517,11 @@ def test_cli_canvas_len(tiny_vqvae, tiny_run, tmp_path):
     assert_clean_error(run_cli(*args, "--corpus", "kjv2web", "--out", tmp_path / "k"), "applies to continuation")
 
 
-def test_cli_source_encoder(tiny_vqvae, tiny_run, tiny_dd2, tmp_path):
+def test_cli_source_encoder(tiny_vqvae, tiny_run, tiny_dd2, tokenizer_path, tmp_path):
     """--source-encoder puts a frozen copy of an AR model in the DD2 checkpoint to read the source; a run
     continued from it keeps it, an --init model without one gains it (starting out unchanged), and
-    checkpoints that are not AR models, or another encoder than an --init model's own, are clear errors."""
+    checkpoints that are not AR models, or another encoder than an --init model's own, are clear errors.
+    Its continuation is benched against a continuation AR model; a seq2seq one is a clear error."""
     args = ("distill", "dd2", "--teacher", tiny_run, "--corpus", "shakespeare", "--teacher-examples", "8",
             "--max-steps", "2", *TINY_TRAIN)
     proc = run_cli(*args, "--vqvae", tiny_vqvae, "--source-encoder", tiny_run, "--canvas-len", "16",
@@ -533,9 +534,16 @@ def test_cli_source_encoder(tiny_vqvae, tiny_run, tiny_dd2, tmp_path):
     gen = run_cli("generate", "--checkpoint", tmp_path / "enc", "--prompt", "To be, or not to be",
                   "--max-new-tokens", "20")
     assert gen.returncode == 0 and "20 tokens in" in gen.stdout + gen.stderr, gen.stderr
-    bench = run_cli("bench", "dd2", "--checkpoint", tmp_path / "enc", "--ar", tiny_run, "--prompts", "2",
-                    "--new-tokens", "20", "--batch-sizes", "1", "--methods", "ar", "dd2-1", "--split", "valid",
-                    "--out", tmp_path / "bench.json")
+    ar = run_cli("train", "ar", "--corpus", "shakespeare", "--tokenizer", tokenizer_path, "--out", tmp_path / "ar",
+                 "--max-steps", "2", "--block-size", "128", *TINY_TRAIN)
+    assert ar.returncode == 0, ar.stderr
+    bench = ("bench", "dd2", "--checkpoint", tmp_path / "enc", "--prompts", "2", "--new-tokens", "20",
+             "--batch-sizes", "1", "--methods", "ar", "dd2-1", "--split", "valid", "--out", tmp_path / "bench.json")
+    assert_clean_error(run_cli(*bench, "--ar", tiny_run), "is a seq2seq model; the model it works with is a "
+                                                         "continuation one")
+    assert_clean_error(run_cli("generate", "--checkpoint", tmp_path / "enc", "--hybrid", tiny_run, "--prompt", "To"),
+                       "is a seq2seq model")
+    bench = run_cli(*bench, "--ar", tmp_path / "ar")
     assert bench.returncode == 0, bench.stderr
     for r in json.loads((tmp_path / "bench.json").read_text()):  # continuation: 20 tokens each, scored by AR
         assert r["new_tokens"] == 20 and r["extra"]["ar_perplexity"] > 1 and 0 <= r["extra"]["seq_rep4"] <= 100

@@ -177,7 +177,7 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
     model, tokenizer, meta = load_checkpoint(checkpoint)
     if meta["kind"] != "dd2":
         raise DiffarError(f"{checkpoint} is a {meta['kind']} checkpoint; bench dd2 needs a DD2 one")
-    ar = load_ar(ar_checkpoint, tokenizer, "--ar")
+    ar = load_ar(ar_checkpoint, tokenizer, "--ar", task=meta["task"])
     samplings = {method: dd2_method(method) for method in methods}
     corpus = load_corpus(corpus_name or meta["corpus"], split)
     if corpus.task != meta["task"]:
