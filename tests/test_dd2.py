@@ -537,13 +537,14 @@ def test_cli_source_encoder(tiny_vqvae, tiny_run, tiny_dd2, tokenizer_path, tmp_
     ar = run_cli("train", "ar", "--corpus", "shakespeare", "--tokenizer", tokenizer_path, "--out", tmp_path / "ar",
                  "--max-steps", "2", "--block-size", "128", *TINY_TRAIN)
     assert ar.returncode == 0, ar.stderr
-    bench = ("bench", "dd2", "--checkpoint", tmp_path / "enc", "--prompts", "2", "--new-tokens", "20",
-             "--batch-sizes", "1", "--methods", "ar", "dd2-1", "--split", "valid", "--out", tmp_path / "bench.json")
-    assert_clean_error(run_cli(*bench, "--ar", tiny_run), "is a seq2seq model; the model it works with is a "
-                                                         "continuation one")
+    bench_args = ("bench", "dd2", "--checkpoint", tmp_path / "enc", "--prompts", "2", "--new-tokens", "20",
+                  "--batch-sizes", "1", "--methods", "ar", "dd2-1", "--split", "valid",
+                  "--out", tmp_path / "bench.json")
+    assert_clean_error(run_cli(*bench_args, "--ar", tiny_run), "is a seq2seq model; the model it works with is a "
+                                                              "continuation one")
     assert_clean_error(run_cli("generate", "--checkpoint", tmp_path / "enc", "--hybrid", tiny_run, "--prompt", "To"),
                        "is a seq2seq model")
-    bench = run_cli(*bench, "--ar", tmp_path / "ar")
+    bench = run_cli(*bench_args, "--ar", tmp_path / "ar")
     assert bench.returncode == 0, bench.stderr
     for r in json.loads((tmp_path / "bench.json").read_text()):  # continuation: 20 tokens each, scored by AR
         assert r["new_tokens"] == 20 and r["extra"]["ar_perplexity"] > 1 and 0 <= r["extra"]["seq_rep4"] <= 100
