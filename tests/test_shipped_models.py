@@ -43,15 +43,17 @@ def test_vqvae_rebuilds_unseen_verses():
 
 
 def test_shakespeare_vqvae_rebuilds_unseen_windows():
-    """Measured on the full test split: 95.26% token accuracy (docs/results/vqvae-shakespeare-test.json)."""
+    """Measured on the full test split: 99.96% token accuracy, 92.9% exact
+    (docs/results/vqvae-shakespeare-test.json)."""
     report = evaluate_checkpoint(str(ROOT / "checkpoints" / "vqvae-shakespeare"), None, "test", limit=32,
                                  batch_size=16)
-    assert report["task"] == "continuation" and report["token_accuracy"] > 0.93
+    assert report["task"] == "continuation" and report["token_accuracy"] > 0.995
+    assert report["exact_sequence_rate"] > 0.75
 
 
 def test_dd2_translates_in_one_step_within_the_shipped_autoencoder():
     """The one-step generator carries the shipped autoencoder unchanged (at bf16), and its BLEU-4 on the first
-    64 test verses holds (measured here: 42.9 in one step, 42.6 in two; the full figures are in
+    64 test verses holds (measured here: 57.2 in one step, 57.5 in two; the full figures are in
     docs/benchmarks.md). A broken sampler or decoder reads near 0."""
     from diffar.evaluation.bench import bench_dd2
     from diffar.models.dd2 import same_weights
@@ -60,7 +62,7 @@ def test_dd2_translates_in_one_step_within_the_shipped_autoencoder():
     vqvae, _, _ = load_checkpoint(VQVAE)
     assert meta["kind"] == "dd2" and meta["model"]["prediction"] == "x0" and same_weights(model.vqvae, vqvae)
     records = {r.method: r for r in bench_dd2(str(DD2), str(KJV), None, 64, 256, [16], ["dd2-1", "dd2-2"])}
-    assert records["dd2-1"].extra["bleu4"] > 34 and records["dd2-2"].extra["bleu4"] > 34
+    assert records["dd2-1"].extra["bleu4"] > 50 and records["dd2-2"].extra["bleu4"] > 50
     assert records["dd2-1"].forward_passes == 1
 
 
