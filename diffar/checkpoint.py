@@ -142,11 +142,12 @@ def ar_stream(model: torch.nn.Module) -> Transformer:
     return model.ar if isinstance(model, RefusionModel) else model
 
 
-def load_ar(path: str | Path, tokenizer: Tokenizer, flag: str, task: str | None = None) -> Transformer:
+def load_ar(path: str | Path, tokenizer: Tokenizer, flag: str, task: str | None = None,
+            dtype: torch.dtype = torch.float32) -> Transformer:
     """The AR model of an AR or ReFusion checkpoint passed as `flag` (a drafter, teacher, ...), which must
     share `tokenizer` with the model it works with, and its `task` where given (a baseline or a model that
     continues the other's text must read prompts the same way)."""
-    model, ar_tokenizer, meta = load_checkpoint(path)
+    model, ar_tokenizer, meta = load_checkpoint(path, dtype=dtype)
     if meta["kind"] not in ("ar", "refusion"):
         raise DiffarError(f"{flag} {path} is a {meta['kind']} checkpoint; it must be an AR or ReFusion one")
     if ar_tokenizer.sha256 != tokenizer.sha256:

@@ -302,7 +302,7 @@ def cmd_export(args) -> None:
 def cmd_generate(args) -> None:
     import torch
 
-    from diffar.checkpoint import ar_stream, load_checkpoint
+    from diffar.checkpoint import DTYPES, ar_stream, load_checkpoint
     from diffar.data.batching import prompt_ids
     from diffar.decoding.ar import generate
     from diffar.decoding.refusion import DraftSchedule, refusion_generate
@@ -317,7 +317,7 @@ def cmd_generate(args) -> None:
         raise DiffarError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.k is not None and args.k <= 0:
         raise DiffarError(f"--k must be positive, got {args.k}")
-    model, tokenizer, meta = load_checkpoint(args.checkpoint, args.tokenizer)
+    model, tokenizer, meta = load_checkpoint(args.checkpoint, args.tokenizer, dtype=DTYPES[args.dtype])
     method = args.method or {"refusion": "refusion", "dd2": "dd2"}.get(meta["kind"], "ar")
     for kind, label in (("refusion", "ReFusion"), ("dd2", "DD2")):
         if method == kind and meta["kind"] != kind:
@@ -331,9 +331,10 @@ def cmd_generate(args) -> None:
     if args.plan_slot != 1 and args.plan_infill is None:
         raise DiffarError("--plan-slot sizes --plan-infill's slots; pass --plan-infill THRESHOLD too")
     if method != "dd2" and (args.preset or args.guidance is not None or args.tau is not None or args.hybrid
-                            or args.adaptive_steps or args.sampler or args.tau_min is not None):
-        raise DiffarError("--preset, --guidance, --tau, --tau-min, --sampler, --adaptive-steps and --hybrid apply to "
-                          "--method dd2 only")
+                            or args.adaptive_steps or args.sampler or args.tau_min is not None or args.best_of
+                            or args.judge):
+        raise DiffarError("--preset, --guidance, --tau, --tau-min, --sampler, --adaptive-steps, --hybrid, --best-of and "
+                          "--judge apply to --method dd2 only")
     if method == "ar" and args.steps is not None:
         raise DiffarError("--steps applies to --method refusion or dd2")
     if method == "dd2":
@@ -380,21 +381,27 @@ def cmd_generate(args) -> None:
         drafter = "diffusion" if method == "refusion" else "draft"
         extra = f"{result.accepted}/{result.drafted} drafts accepted, {result.draft_passes} {drafter} passes"
     print(f"[{label}] {n} tokens in {result.seconds:.2f} s = {n / result.seconds:.1f} tokens/s | "
-          f"{passes} AR passes ({n / passes:.2f} tokens/AR pass) | prompt {len(ids)} tokens | batch 1 | {extra}",
+          f"{passes} AR passes ({n / passes:.2f} tokens/AR pass) | prompt {len(ids)} tokens | batch 1 | {args.dtype} | "
+          f"{extra}",
           file=sys.stderr)
 
 
 def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
-    """Sample with DD2 (optionally hybrid with an AR model) and print the text, then the speed line."""
+    """Sample with DD2 (optionally hybrid with an AR model, or the best of n samples by an AR judge) and print
+    the text, then the speed line."""
     import torch
 
-    from diffar.checkpoint import load_ar
+    from diffar.checkpoint import DTYPES, load_ar
     from diffar.data.batching import prompt_ids
-    from diffar.decoding.dd2 import DD2Sampling, dd2_generate, hybrid_generate
+    from diffar.decoding.dd2 import DD2Sampling, best_of_generate, dd2_generate, hybrid_generate
 
     if args.temperature or args.top_k or args.top_p != 1.0 or args.draft or args.prompt_lookup or args.no_cache:
         raise DiffarError("dd2 samples with --tau (decoding temperature); --temperature, --top-k, --top-p, "
                           "--draft, --prompt-lookup and --no-cache are AR options")
+    if bool(args.best_of) != bool(args.judge):
+        raise DiffarError("--best-of N and --judge AR_CHECKPOINT go together: the judge picks one of the N samples")
+    if args.best_of and args.hybrid:
+        raise DiffarError("--best-of and --hybrid do not combine; choose one")
     knobs = dict(steps=args.steps, adaptive=args.adaptive_steps or None, guidance_scale=args.guidance,
                  tau_max=args.tau, tau_min=args.tau_min, sampler=args.sampler)
     sampling = DD2Sampling.from_preset(args.preset, **knobs) if args.preset else \
@@ -408,25 +415,30 @@ def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
     decode = dict(sampling=sampling, eos_id=tokenizer.eos_id if meta["task"] == "seq2seq" else None,
                   pad_id=tokenizer.pad_id, generator=generator)
     if args.hybrid:
-        ar = load_ar(args.hybrid, tokenizer, "--hybrid", task=meta["task"])
+        ar = load_ar(args.hybrid, tokenizer, "--hybrid", task=meta["task"], dtype=DTYPES[args.dtype])
         result = hybrid_generate(model, ar, [source], [prompt_ids(tokenizer, meta["task"], text)],
                                  args.max_new_tokens, **decode)
+    elif args.best_of:
+        judge = load_ar(args.judge, tokenizer, "--judge", task=meta["task"], dtype=DTYPES[args.dtype])
+        result = best_of_generate(model, judge, [source], [prompt_ids(tokenizer, meta["task"], text)],
+                                  args.max_new_tokens, n=args.best_of, **decode)
     else:
         result = dd2_generate(model, [source], args.max_new_tokens, **decode)
     if meta["task"] == "continuation" and not args.no_echo:
         sys.stdout.write(text)
     print(tokenizer.decode(result.tokens[0]))
     n = result.new_tokens
-    label = "dd2-hybrid" if args.hybrid else f"dd2 {result.steps}-step {sampling.sampler}"
+    label = "dd2-hybrid" if args.hybrid else f"dd2 {result.steps}-step {sampling.sampler}" + (
+        f", best of {args.best_of}" if args.best_of else "")
     print(f"[{label}] {n} tokens in {result.seconds:.3f} s = {n / result.seconds:.1f} tokens/s | "
           f"{result.forward_passes} forward passes ({n / result.forward_passes:.2f} tokens/pass), "
           f"{result.decoder_passes} decoder passes | guidance {sampling.guidance_scale}, tau {sampling.tau_max} | "
-          f"prompt {len(source)} tokens | batch 1", file=sys.stderr)
+          f"prompt {len(source)} tokens | batch 1 | {args.dtype}", file=sys.stderr)
 
 
 def _proposer(args, tokenizer):
     """The drafter plain AR `generate` verifies against, if any: a draft model or prompt lookup."""
-    from diffar.checkpoint import load_ar
+    from diffar.checkpoint import DTYPES, load_ar
     from diffar.decoding.speculative import DraftModel, PromptLookup
 
     if args.draft and args.prompt_lookup:
@@ -435,7 +447,7 @@ def _proposer(args, tokenizer):
         return PromptLookup()
     if not args.draft:
         return None
-    return DraftModel(load_ar(args.draft, tokenizer, "--draft"))
+    return DraftModel(load_ar(args.draft, tokenizer, "--draft", dtype=DTYPES[args.dtype]))
 
 
 # ---- eval / bench ---------------------------------------------------------------------------------
@@ -452,7 +464,7 @@ def cmd_eval(args) -> None:
 def cmd_bench_ar(args) -> None:
     from diffar.evaluation.bench import bench_ar, print_table, write_records
 
-    records = bench_ar(args.checkpoint, args.corpus, args.batch_sizes, args.new_tokens, args.repeats)
+    records = bench_ar(args.checkpoint, args.corpus, args.batch_sizes, args.new_tokens, args.repeats, args.dtype)
     print_table(records)
     write_records(records, args.out)
 
@@ -515,7 +527,7 @@ def cmd_bench_dd2(args) -> None:
     from diffar.evaluation.bench import bench_dd2, print_table, write_records
 
     records = bench_dd2(args.checkpoint, args.ar, args.corpus, args.prompts, args.new_tokens, args.batch_sizes,
-                        args.methods, args.seed, args.split)
+                        args.methods, args.seed, args.split, args.dtype)
     print_table(records)
     write_records(records, args.out)
 
@@ -534,6 +546,8 @@ def cmd_bench_lossless(args) -> None:
 
 # ---- parser ---------------------------------------------------------------------------------------
 SPLIT_HELP = "valid for comparing training choices (ablations), test for the reported figures"
+INFERENCE_DTYPES = ("fp32", "bf16")
+DTYPE_HELP = "the weights' and activations' type at inference (bf16: faster on CPUs with bf16 matrix units)"
 
 
 def _positive_int(text: str) -> int:
@@ -688,6 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", default="fp32", choices=INFERENCE_DTYPES, help=DTYPE_HELP + " (every model loaded)")
     g.add_argument("--no-cache", action="store_true", help="recompute every step (slow; for comparison)")
     g.add_argument("--no-echo", action="store_true", help="do not repeat a continuation prompt")
     g.add_argument("--draft", help="speculative decoding: a small AR checkpoint (same tokenizer) drafts tokens")
@@ -703,6 +718,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sampler", choices=["ddim", "ddpm"], help="dd2: the scheduler (default ddim)")
     g.add_argument("--hybrid", metavar="AR_CHECKPOINT",
                    help="dd2: one step for the first 50 tokens, then this AR model continues with its KV cache")
+    g.add_argument("--best-of", type=_positive_int, metavar="N",
+                   help="dd2: sample N texts from independent noise; --judge keeps the likeliest")
+    g.add_argument("--judge", metavar="AR_CHECKPOINT", help="dd2 --best-of: the AR model that scores the samples")
     g.add_argument("--dynamic", action="store_true", help="refusion: the seed's dynamic schedule")
     g.add_argument("--plan-infill", type=float, metavar="THRESHOLD",
                    help="refusion: keep drafts at least this confident unverified (faster, not lossless)")
@@ -727,6 +745,7 @@ def build_parser() -> argparse.ArgumentParser:
     bar.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1, 8])
     bar.add_argument("--new-tokens", type=_positive_int, default=256)
     bar.add_argument("--repeats", type=_positive_int, default=1)
+    bar.add_argument("--dtype", default="fp32", choices=INFERENCE_DTYPES, help=DTYPE_HELP)
     bar.add_argument("--out", required=True, help="JSON file to write")
     bar.set_defaults(func=cmd_bench_ar)
     bsp = b_sub.add_parser("speculative", help="AR vs lossless prompt-lookup and draft-model decoding")
@@ -754,13 +773,15 @@ def build_parser() -> argparse.ArgumentParser:
     bdd.add_argument("--checkpoint", default="checkpoints/dd2-kjv2web", help="a DD2 checkpoint")
     bdd.add_argument("--ar", default="checkpoints/ar-kjv2web", help="the AR baseline (and hybrid's continuer)")
     bdd.add_argument("--methods", nargs="+", default=["ar", "dd2-1", "dd2-30", "dd2-50", "dd2-100", "dd2-hybrid"],
-                     help="ar, dd2-N (N DDIM steps), dd2-adaptive, dd2-hybrid, dd2-speed, dd2-quality")
+                     help="ar, dd2-N (N DDIM steps), dd2-NxK (--ar picks the best of K N-step samples), "
+                          "dd2-adaptive, dd2-hybrid, dd2-speed, dd2-quality")
     bdd.add_argument("--corpus", help="prompts from this corpus (default: the checkpoint's corpus)")
     bdd.add_argument("--split", default="test", choices=("valid", "test"), help=SPLIT_HELP)
     bdd.add_argument("--prompts", type=_positive_int, default=128)
     bdd.add_argument("--new-tokens", type=_positive_int, default=256, help="continuation: tokens per prompt")
     bdd.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1, 16])
     bdd.add_argument("--seed", type=int, default=0)
+    bdd.add_argument("--dtype", default="fp32", choices=INFERENCE_DTYPES, help=DTYPE_HELP + " (every method alike)")
     bdd.add_argument("--out", required=True, help="JSON file to write")
     bdd.set_defaults(func=cmd_bench_dd2)
 

@@ -29,6 +29,9 @@ def test_generate_streams_and_reports_speed(tiny_run):
     nocache = run_cli("generate", "--checkpoint", tiny_run, "--prompt", "In the beginning", "--max-new-tokens", "12",
                       "--no-cache")
     assert nocache.stdout == proc.stdout
+    bf16 = run_cli("generate", "--checkpoint", tiny_run, "--prompt", "In the beginning", "--max-new-tokens", "12",
+                   "--dtype", "bf16")
+    assert bf16.returncode == 0 and "| bf16 |" in bf16.stderr and "| fp32 |" in proc.stderr, bf16.stderr
 
 
 def test_sampling_flags(tiny_run):
@@ -58,7 +61,7 @@ def test_export_and_bench(tiny_run, tmp_path):
     records = json.loads(out.read_text())
     assert {(r["method"], r["batch_size"]) for r in records} == {(m, b) for m in ("ar", "ar-nocache") for b in (1, 2)}
     keys = {"method", "task", "batch_size", "prompt_tokens", "new_tokens", "latency_ms", "tokens_per_s",
-            "forward_passes", "device", "torch_threads"}
+            "forward_passes", "device", "torch_threads", "dtype"}
     assert all(keys <= set(r) and r["new_tokens"] == 16 and r["forward_passes"] == 16 for r in records)
 
 

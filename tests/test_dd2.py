@@ -1,4 +1,4 @@
-"""DD2: guidance, the distillation loss, sampling (one step, DDIM, hybrid), checkpoints and the CLI."""
+"""DD2: guidance, the distillation loss, sampling (one step, DDIM, hybrid, best of n), checkpoints and the CLI."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from conftest import TINY_TRAIN, assert_clean_error, random_model, run_cli, star
 from diffar.checkpoint import load_checkpoint, write_checkpoint
 from diffar.cli import _dd2_start, build_parser
 from diffar.data.batching import pad_right
-from diffar.decoding.ar import generate
-from diffar.decoding.dd2 import DD2Sampling, adaptive_steps, dd2_generate, hybrid_generate
+from diffar.decoding.ar import generate, log_likelihoods
+from diffar.decoding.dd2 import DD2Sampling, adaptive_steps, best_of_generate, dd2_generate, hybrid_generate
 from diffar.errors import DiffarError
 from diffar.models.dd2 import DD2Config, DD2Model, expected_bleu_risk, same_weights, semantic_distance
 from diffar.models.transformer import TransformerConfig
@@ -392,6 +392,33 @@ def test_hybrid_is_one_step_prefix_then_ar_continuation():
     assert hybrid.forward_passes == one.forward_passes + rest.forward_passes
 
 
+
+@pytest.mark.parametrize("eos_id", [EOS, None])
+def test_best_of_keeps_the_judges_likeliest_sample(eos_id):
+    """Each row keeps, of its n samples (drawn as one batch with that row repeated n times), the one with
+    the highest mean log-probability per token under the judge, its <eos> counted for seq2seq."""
+    model, judge, n = random_dd2(eos_id=eos_id), random_model(1), 4
+    src = sources(3)
+    prompts = [s + [3] for s in src]
+    best = best_of_generate(model, judge, src, prompts, 12, n=n, eos_id=eos_id,
+                            generator=torch.Generator().manual_seed(5))
+    samples = dd2_generate(model, [s for s in src for _ in range(n)], 12, eos_id=eos_id,
+                           generator=torch.Generator().manual_seed(5)).tokens
+    assert any(len(set(map(tuple, samples[i * n:i * n + n]))) > 1 for i in range(len(src)))  # a choice to make
+    ends = [EOS] if eos_id is not None else []
+    for i, prompt in enumerate(prompts):
+        mine = samples[i * n:i * n + n]
+        scores = log_likelihoods(judge, [prompt] * n, [t + ends for t in mine]) / torch.tensor(
+            [len(t + ends) for t in mine])
+        assert best.tokens[i] == mine[int(scores.argmax())]
+    assert best.forward_passes == 2  # one denoising pass over every sample, one judge pass
+    one = best_of_generate(model, judge, src, prompts, 12, n=1, eos_id=eos_id, generator=torch.Generator().manual_seed(5))
+    plain = dd2_generate(model, src, 12, eos_id=eos_id, generator=torch.Generator().manual_seed(5))
+    assert one.tokens == plain.tokens and one.forward_passes == 1
+    with pytest.raises(DiffarError, match="n >= 1"):
+        best_of_generate(model, judge, src, prompts, 12, n=0)
+
+
 # ---- the command line ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_vqvae(tokenizer_path, tmp_path_factory):
@@ -448,7 +475,8 @@ def test_cli_resume_keeps_the_latent_scale(tiny_vqvae, tmp_path):
 
 @pytest.mark.parametrize("flags, label", [((), "dd2 1-step ddim"), (("--steps", "3", "--guidance", "2"), "3-step"),
                                           (("--preset", "speed"), "30-step"), (("--adaptive-steps",), "-step"),
-                                          (("--steps", "2", "--sampler", "ddpm", "--tau", "0.5"), "2-step ddpm")])
+                                          (("--steps", "2", "--sampler", "ddpm", "--tau", "0.5"), "2-step ddpm"),
+                                          (("--dtype", "bf16"), "batch 1 | bf16")])
 def test_cli_generate(tiny_dd2, flags, label):
     proc = run_cli("generate", "--checkpoint", tiny_dd2 / "x0", "--prompt", "In the beginning", *flags)
     assert proc.returncode == 0, proc.stderr
@@ -470,6 +498,15 @@ def test_cli_hybrid_and_bench(tiny_dd2, tiny_run, tmp_path):
         assert {"bleu4", "chrf", "rougeL", "steps"} <= set(r["extra"]) and r["tokens_per_s"] > 0
         assert r["extra"]["split"] == "valid"
     assert {r["extra"]["steps"] for r in records if r["method"] == "dd2-3"} == {3}
+    proc = run_cli("bench", "dd2", "--checkpoint", tiny_dd2 / "x0", "--ar", tiny_run, "--prompts", "2",
+                   "--batch-sizes", "2", "--methods", "dd2-2x3", "--split", "valid", "--dtype", "bf16", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    [record] = json.loads(out.read_text())
+    assert record["extra"]["steps"] == 2 and record["extra"]["best_of"] == 3 and record["forward_passes"] == 3
+    assert record["dtype"] == "bf16"
+    proc = run_cli("generate", "--checkpoint", tiny_dd2 / "x0", "--best-of", "3", "--judge", tiny_run, "--prompt",
+                   "In the beginning", "--dtype", "bf16")
+    assert proc.returncode == 0 and "[dd2 1-step ddim, best of 3]" in proc.stderr, proc.stderr
 
 
 def test_cli_bad_input(tiny_dd2, tiny_vqvae, tiny_run, tokenizer_path, tmp_path):
@@ -478,6 +515,11 @@ def test_cli_bad_input(tiny_dd2, tiny_vqvae, tiny_run, tokenizer_path, tmp_path)
     assert_clean_error(run_cli(*args, "--guidance", "-1"), "guidance scale must be >= 0")
     assert_clean_error(run_cli(*args, "--preset", "fast"), "invalid choice")
     assert_clean_error(run_cli(*args, "--temperature", "0.5"), "--tau")
+    assert_clean_error(run_cli(*args, "--best-of", "4"), "go together")
+    assert_clean_error(run_cli(*args, "--best-of", "4", "--judge", tiny_run, "--hybrid", tiny_run), "do not combine")
+    assert_clean_error(run_cli(*args, "--best-of", "0", "--judge", tiny_run), "positive")
+    assert_clean_error(run_cli("bench", "dd2", "--checkpoint", tiny_dd2 / "x0", "--ar", tiny_run, "--methods",
+                               "dd2-1x0", "--out", tmp_path / "b.json"), "unknown method")
     assert_clean_error(run_cli("generate", "--checkpoint", tiny_run, "--prompt", "x", "--steps", "2",
                                "--method", "dd2"), "needs a DD2 checkpoint")
     assert_clean_error(run_cli("generate", "--checkpoint", tiny_vqvae, "--prompt", "x"), "does not generate")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from diffar.decoding.ar import generate
+from diffar.decoding.ar import generate, log_likelihoods
 from diffar.decoding.sampling import SamplingConfig, probabilities
 from diffar.errors import DiffarError
 
@@ -89,3 +89,18 @@ def test_bad_lengths(tiny_model):
         generate(tiny_model, [[5]], 0, pad_id=0, eos_id=None)
     with pytest.raises(DiffarError, match="context"):
         generate(tiny_model, [[5] * 300], 100, pad_id=0, eos_id=None)
+
+
+def test_log_likelihoods_batched_equal_one_row_forward(tiny_model):
+    """Scoring rows of different lengths together (right padding) gives each row's own sum of
+    log p(output token | everything before it)."""
+    outputs = [[21, 22, 23], [24], [25, 26, 27, 28, 29, 30], [31, 32]]
+    batched = log_likelihoods(tiny_model, PROMPTS, outputs)
+    for row, (prompt, out) in enumerate(zip(PROMPTS, outputs)):
+        seq = torch.tensor([prompt + out])
+        with torch.no_grad():
+            logp = torch.log_softmax(tiny_model(seq)[0][0].float(), -1)
+        expected = sum(float(logp[len(prompt) + j - 1, tok]) for j, tok in enumerate(out))
+        assert batched[row].item() == pytest.approx(expected, abs=1e-4)
+    with pytest.raises(DiffarError, match="context"):
+        log_likelihoods(tiny_model, [[5] * tiny_model.config.max_seq_len], [[6]])

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diffar.data.batching import pad_right
 from diffar.decoding.sampling import SamplingConfig, sample_next
 from diffar.errors import DiffarError
 from diffar.models.transformer import Transformer
@@ -196,3 +197,24 @@ def generate(
     tokens, passes = decode_n_tokens(model, batch, logits, max_new_tokens, sampling, eos_id, on_token, generator, step,
                                      fixed)
     return GenerationResult(tokens, sum(len(p) for p in prompts), passes + 1, time.perf_counter() - t0)
+
+
+@torch.inference_mode()
+def log_likelihoods(model: Transformer, prompts: list[list[int]], outputs: list[list[int]],
+                    pad_id: int = 0) -> torch.Tensor:
+    """Teacher-forced scoring: log p(output | prompt) summed over each row's output tokens (B,), every row
+    in one causal pass over prompt + output, right-padded (a causal position never sees the padding after
+    it). The output layer runs only at the positions that predict an output token."""
+    if any(not p for p in prompts):
+        raise DiffarError("empty prompt: give at least one token of text")
+    seqs = [p + o for p, o in zip(prompts, outputs)]
+    if max(map(len, seqs)) > model.config.max_seq_len:
+        raise DiffarError(f"prompt + output exceeds the model's context of {model.config.max_seq_len} tokens")
+    ids, _ = pad_right(seqs, pad_id)
+    device = model.tok_emb.weight.device
+    hidden = model.hidden_states(ids.to(device))
+    rows = torch.tensor([r for r, o in enumerate(outputs) for _ in o], dtype=torch.long)
+    cols = torch.tensor([len(p) + j for p, o in zip(prompts, outputs) for j in range(len(o))], dtype=torch.long)
+    logits = model.lm_head(hidden[rows, cols - 1]).float()
+    nll = torch.nn.functional.cross_entropy(logits, ids[rows, cols].to(device), reduction="none")
+    return -torch.zeros(len(outputs), device=device).index_add_(0, rows.to(device), nll).cpu()

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from diffar.checkpoint import ar_stream, load_ar, load_checkpoint
+from diffar.checkpoint import DTYPES, ar_stream, load_ar, load_checkpoint
 from diffar.data.batching import prompt_ids
 from diffar.data.corpora import load_corpus
 from diffar.decoding.ar import generate
-from diffar.decoding.dd2 import DD2Sampling, dd2_generate, hybrid_generate
+from diffar.decoding.dd2 import DD2Sampling, best_of_generate, dd2_generate, hybrid_generate
 from diffar.decoding.refusion import DraftSchedule, refusion_generate
 from diffar.decoding.speculative import DraftModel, PromptLookup, speculative_generate
 from diffar.errors import DiffarError
@@ -33,13 +33,14 @@ class BenchRecord:
     forward_passes: int
     device: str = field(default_factory=cpu_name)
     torch_threads: int = field(default_factory=torch.get_num_threads)
+    dtype: str = "fp32"  # the models' type at inference
     extra: dict = field(default_factory=dict)
 
 
 def bench_ar(checkpoint: str, corpus_name: str | None, batch_sizes: list[int], new_tokens: int,
-             repeats: int) -> list[BenchRecord]:
+             repeats: int, dtype: str = "fp32") -> list[BenchRecord]:
     """KV-cached vs uncached greedy AR at a fixed number of new tokens (eos ignored), batch by batch."""
-    model, tokenizer, meta = load_checkpoint(checkpoint)
+    model, tokenizer, meta = load_checkpoint(checkpoint, dtype=DTYPES[dtype])
     model = ar_stream(model)
     corpus = load_corpus(corpus_name or meta["corpus"], "test")
     texts = [p.source for p in corpus.pairs] if corpus.task == "seq2seq" else [d[:400] for d in corpus.documents]
@@ -59,7 +60,7 @@ def bench_ar(checkpoint: str, corpus_name: str | None, batch_sizes: list[int], n
                 method=method, task=Path(corpus.name).name, batch_size=bs,
                 prompt_tokens=round(sum(map(len, prompts)) / bs), new_tokens=new_tokens,
                 latency_ms=round(1000 * seconds, 1), tokens_per_s=round(bs * new_tokens / seconds, 1),
-                forward_passes=result.forward_passes))
+                forward_passes=result.forward_passes, dtype=dtype))
     return records
 
 
@@ -156,28 +157,33 @@ DD2_METHODS = {  # name -> sampling (None: plain AR); dd2-hybrid: one step for 5
 }
 
 
-def dd2_method(name: str) -> DD2Sampling | None:
-    """The sampling a bench method name stands for: one of DD2_METHODS or dd2-N (N DDIM steps)."""
+def dd2_method(name: str) -> tuple[DD2Sampling | None, int]:
+    """The sampling a bench method name stands for, and how many samples per source the AR model chooses
+    among: one of DD2_METHODS, dd2-N (N DDIM steps) or dd2-NxK (the best of K N-step samples)."""
     if name in DD2_METHODS:
-        return DD2_METHODS[name]
-    steps = name.removeprefix("dd2-")
-    if name.startswith("dd2-") and steps.isdigit() and int(steps) > 0:
-        return DD2Sampling(steps=int(steps))
-    raise DiffarError(f"unknown method {name!r}; choose dd2-N (N sampling steps) or {', '.join(DD2_METHODS)}")
+        return DD2_METHODS[name], 1
+    steps, _, best_of = name.removeprefix("dd2-").partition("x")
+    if name.startswith("dd2-") and steps.isdigit() and int(steps) > 0 and (
+            not best_of or best_of.isdigit() and int(best_of) > 0):
+        return DD2Sampling(steps=int(steps)), int(best_of or 1)
+    raise DiffarError(f"unknown method {name!r}; choose dd2-N (N sampling steps), dd2-NxK (the AR model's pick of "
+                      f"K N-step samples) or {', '.join(DD2_METHODS)}")
 
 
 def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_prompts: int, new_tokens: int,
-              batch_sizes: list[int], methods: list[str], seed: int = 0, split: str = "test") -> list[BenchRecord]:
+              batch_sizes: list[int], methods: list[str], seed: int = 0, split: str = "test",
+              dtype: str = "fp32") -> list[BenchRecord]:
     """Greedy AR (KV cache) against DD2 sampling with 1/30/50/100 steps, the seed's presets and hybrid
     sampling, on the same prompts in the same batches, from `split` (valid when comparing training choices,
     so that no choice is tuned on the test split). seq2seq: the sources, AR stops at eos (at most
     2x the longest source + 16 tokens), DD2 fills its canvas; continuation: exactly `new_tokens` per row from
     every method (DD2 canvas after canvas). Quality: BLEU-4, chrF and ROUGE-L against the references, and for
-    continuation the AR model's perplexity of each method's output and its repetition (seq-rep-4)."""
-    model, tokenizer, meta = load_checkpoint(checkpoint)
+    continuation the AR model's perplexity of each method's output and its repetition (seq-rep-4). `dtype`
+    applies to both models (the baseline's speed and text change with it too)."""
+    model, tokenizer, meta = load_checkpoint(checkpoint, dtype=DTYPES[dtype])
     if meta["kind"] != "dd2":
         raise DiffarError(f"{checkpoint} is a {meta['kind']} checkpoint; bench dd2 needs a DD2 one")
-    ar = load_ar(ar_checkpoint, tokenizer, "--ar", task=meta["task"])
+    ar = load_ar(ar_checkpoint, tokenizer, "--ar", task=meta["task"], dtype=DTYPES[dtype])
     samplings = {method: dd2_method(method) for method in methods}
     corpus = load_corpus(corpus_name or meta["corpus"], split)
     if corpus.task != meta["task"]:
@@ -200,7 +206,7 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
     for bs in batch_sizes:
         batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
         for method in methods:
-            sampling = samplings[method]
+            sampling, best_of = samplings[method]
             generator = torch.Generator().manual_seed(seed)
 
             def run(rows, n):
@@ -210,6 +216,9 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
                 if method == "dd2-hybrid":
                     return hybrid_generate(model, ar, [sources[i] for i in rows], [prompts[i] for i in rows], n,
                                            **decode)
+                if best_of > 1:
+                    return best_of_generate(model, ar, [sources[i] for i in rows], [prompts[i] for i in rows], n,
+                                            n=best_of, **decode)
                 return dd2_generate(model, [sources[i] for i in rows], n, **decode)
 
             run(batches[0], 8)  # warm-up
@@ -223,6 +232,7 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
             new = sum(map(len, outs))
             quality = text_metrics([tokenizer.decode(o).strip() for o in outs], references)
             extra = {"split": split, "prompts": len(prompts), "steps": steps[0] if len(set(steps)) == 1 else "adaptive",
+                     "best_of": best_of if sampling else None,
                      "guidance_scale": sampling.guidance_scale if sampling else None,
                      "tau_max": sampling.tau_max if sampling else None, **quality}
             if not seq2seq:
@@ -233,7 +243,7 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
                 method=method, task=Path(corpus.name).name, batch_size=bs,
                 prompt_tokens=round(sum(map(len, prompts)) / len(prompts)), new_tokens=round(new / len(prompts)),
                 latency_ms=round(1000 * seconds / len(batches), 1), tokens_per_s=round(new / seconds, 1),
-                forward_passes=round(passes / len(batches)), extra=extra))
+                forward_passes=round(passes / len(batches)), dtype=dtype, extra=extra))
     return records
 
 
@@ -248,7 +258,7 @@ def print_table(records: list[BenchRecord]) -> None:
         if r.extra:
             print(f"{'':<18}" + ", ".join(f"{k} {v}" for k, v in r.extra.items() if v is not None))
     if records:
-        print(f"device: {records[0].device}, torch threads: {records[0].torch_threads}")
+        print(f"device: {records[0].device}, torch threads: {records[0].torch_threads}, dtype: {records[0].dtype}")
 
 
 def write_records(records: list[BenchRecord], out: str | Path) -> None:

@@ -9,6 +9,7 @@ import torch
 from rouge_score import rouge_scorer
 
 from diffar.data.batching import IGNORE_INDEX
+from diffar.decoding.ar import log_likelihoods
 
 
 def bleu4(hypotheses: list[str], references: list[str]) -> float:
@@ -65,16 +66,9 @@ def mean_nll(model, dataset, batch_size: int, max_examples: int | None = None,
     return total / count
 
 
-@torch.no_grad()
-def conditional_perplexity(model, prompts: list[list[int]], outputs: list[list[int]]) -> float:
+def conditional_perplexity(model, prompts: list[list[int]], outputs: list[list[int]], batch_size: int = 16) -> float:
     """Perplexity of each output given its prompt under an AR model, token-weighted over all rows."""
-    total, count = 0.0, 0
-    for prompt, out in zip(prompts, outputs):
-        if not out:
-            continue
-        seq = torch.tensor([prompt + out])
-        logits, _ = model(seq[:, :-1])
-        nll = torch.nn.functional.cross_entropy(logits[0, len(prompt) - 1:].float(), seq[0, len(prompt):],
-                                                reduction="sum")
-        total, count = total + float(nll), count + len(out)
+    total = sum(-float(log_likelihoods(model, prompts[i:i + batch_size], outputs[i:i + batch_size]).sum())
+                for i in range(0, len(prompts), batch_size))
+    count = sum(map(len, outputs))
     return perplexity(total / max(1, count))
