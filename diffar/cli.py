@@ -473,11 +473,11 @@ def cmd_bench_ar(args) -> None:
 def cmd_serve(args) -> None:
     import uvicorn
 
-    from diffar.checkpoint import ar_stream, load_checkpoint
+    from diffar.checkpoint import DTYPES, ar_stream, load_checkpoint
     from diffar.serving.app import create_app
     from diffar.serving.methods import ARMethod, DD2Method, RefusionMethod
 
-    model, tokenizer, meta = load_checkpoint(args.checkpoint)
+    model, tokenizer, meta = load_checkpoint(args.checkpoint, dtype=DTYPES[args.dtype])
     kind = meta["kind"]
     if kind not in ("ar", "refusion", "dd2"):
         raise DiffarError(f"{args.checkpoint} is a {kind} checkpoint, which does not generate text")
@@ -796,6 +796,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-batch-size", type=_positive_int, default=16)
     sv.add_argument("--batch-window-ms", type=float, default=10.0, help="how long a batch waits to fill")
     sv.add_argument("--max-queue", type=_positive_int, default=4096, help="waiting requests before 429")
+    sv.add_argument("--dtype", default="fp32", choices=INFERENCE_DTYPES, help=DTYPE_HELP)
     sv.add_argument("--log-level", default="warning")
     sv.set_defaults(func=cmd_serve)
 

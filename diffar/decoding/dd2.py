@@ -180,25 +180,25 @@ def _sample(model: DD2Model, sources: list[list[int]], max_new: int, sampling: D
     steps = sampling.steps_for(width)
     scheduler = SCHEDULERS[sampling.sampler](model.schedule, prediction=cfg.prediction)
     scheduler.set_timesteps(steps)
-    dtype = next(model.denoiser.parameters()).dtype
-    z = torch.randn(len(sources), width, vq.d_latent, generator=generator).to(device, dtype)
+    dtype = next(model.denoiser.parameters()).dtype  # the network's; the sample and the scheduler's math stay fp32
+    z = torch.randn(len(sources), width, vq.d_latent, generator=generator).to(device)
     states = model.encode_source(source)  # the source encoder's read, made once for every step
     passes = decoder_passes = 0
     for i, t in enumerate(scheduler.timesteps.tolist()):
-        out = model.predict(z, torch.full((len(z),), t, device=device), source, mask, sampling.guidance_scale,
-                            canvas_mask, states)
+        out = model.predict(z.to(dtype), torch.full((len(z),), t, device=device), source, mask,
+                            sampling.guidance_scale, canvas_mask, states).float()
         passes += 1
         if pins is not None:
-            ids = pins.write(pins.guard(model.decode(scheduler.x0_hat(out, t, z), canvas_mask)).argmax(-1))
-            out = torch.where(pins.rows, scheduler.output_for(model.latents(ids, canvas_mask).to(dtype), t, z), out)
+            ids = pins.write(pins.guard(model.decode(scheduler.x0_hat(out, t, z).to(dtype), canvas_mask)).argmax(-1))
+            out = torch.where(pins.rows, scheduler.output_for(model.latents(ids, canvas_mask).float(), t, z), out)
             decoder_passes += 1
         if on_step is not None and scheduler.next_time(t) > 0:
-            logits = model.decode(scheduler.x0_hat(out, t, z), canvas_mask)
+            logits = model.decode(scheduler.x0_hat(out, t, z).to(dtype), canvas_mask)
             on_step(i, _rows(logits.argmax(-1), widths, eos_id, pad_id, max_new))
             decoder_passes += 1
         last_t = t
         z = scheduler.step(out, t, z, generator)
-    logits = model.decode(z, canvas_mask)
+    logits = model.decode(z.to(dtype), canvas_mask)
     ids = read_tokens(logits if pins is None else pins.guard(logits), sampling.tau(last_t), generator)
     tokens = _rows(ids if pins is None else pins.write(ids), widths, eos_id, pad_id, max_new)
     decoder_passes += 1
