@@ -403,7 +403,7 @@ def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
     if args.best_of and args.hybrid:
         raise DiffarError("--best-of and --hybrid do not combine; choose one")
     knobs = dict(steps=args.steps, adaptive=args.adaptive_steps or None, guidance_scale=args.guidance,
-                 tau_max=args.tau, tau_min=args.tau_min, sampler=args.sampler)
+                 tau_max=args.tau, tau_min=args.tau_min, sampler=args.sampler, best_of=args.best_of)
     sampling = DD2Sampling.from_preset(args.preset, **knobs) if args.preset else \
         DD2Sampling(**{k: v for k, v in {**knobs, "steps": 1 if args.steps is None else args.steps}.items()
                        if v is not None})
@@ -421,7 +421,7 @@ def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
     elif args.best_of:
         judge = load_ar(args.judge, tokenizer, "--judge", task=meta["task"], dtype=DTYPES[args.dtype])
         result = best_of_generate(model, judge, [source], [prompt_ids(tokenizer, meta["task"], text)],
-                                  args.max_new_tokens, n=args.best_of, **decode)
+                                  args.max_new_tokens, **decode)
     else:
         result = dd2_generate(model, [source], args.max_new_tokens, **decode)
     if meta["task"] == "continuation" and not args.no_echo:
@@ -473,7 +473,7 @@ def cmd_bench_ar(args) -> None:
 def cmd_serve(args) -> None:
     import uvicorn
 
-    from diffar.checkpoint import DTYPES, ar_stream, load_checkpoint
+    from diffar.checkpoint import DTYPES, ar_stream, load_ar, load_checkpoint
     from diffar.serving.app import create_app
     from diffar.serving.methods import ARMethod, DD2Method, RefusionMethod
 
@@ -484,9 +484,12 @@ def cmd_serve(args) -> None:
     method = args.method or kind
     if method != kind and (method, kind) != ("ar", "refusion"):  # a ReFusion model's AR stream serves as ar
         raise DiffarError(f"--method {method} cannot serve this {kind} checkpoint")
+    if args.judge and method != "dd2":
+        raise DiffarError("--judge picks among DD2 samples; it applies to a DD2 checkpoint only")
+    judge = args.judge and load_ar(args.judge, tokenizer, "--judge", task=meta["task"], dtype=DTYPES[args.dtype])
     served = {"ar": lambda: ARMethod(ar_stream(model), tokenizer, meta["task"]),
               "refusion": lambda: RefusionMethod(model, tokenizer, meta["task"]),
-              "dd2": lambda: DD2Method(model, tokenizer, meta["task"])}[method]()
+              "dd2": lambda: DD2Method(model, tokenizer, meta["task"], judge)}[method]()
     app = create_app(served, tokenizer, meta, args.model_id or Path(args.checkpoint).resolve().name,
                      max_batch_size=args.max_batch_size, window_ms=args.batch_window_ms, max_queue=args.max_queue)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, backlog=4096)
@@ -797,6 +800,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--batch-window-ms", type=float, default=10.0, help="how long a batch waits to fill")
     sv.add_argument("--max-queue", type=_positive_int, default=4096, help="waiting requests before 429")
     sv.add_argument("--dtype", default="fp32", choices=INFERENCE_DTYPES, help=DTYPE_HELP)
+    sv.add_argument("--judge", metavar="AR_CHECKPOINT",
+                    help="dd2: an AR model that lets requests ask for best_of > 1 samples and keeps the likeliest")
     sv.add_argument("--log-level", default="warning")
     sv.set_defaults(func=cmd_serve)
 

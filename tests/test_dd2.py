@@ -415,7 +415,7 @@ def test_best_of_keeps_the_judges_likeliest_sample(eos_id):
     model, judge, n = random_dd2(eos_id=eos_id), random_model(1), 4
     src = sources(3)
     prompts = [s + [3] for s in src]
-    best = best_of_generate(model, judge, src, prompts, 12, n=n, eos_id=eos_id,
+    best = best_of_generate(model, judge, src, prompts, 12, sampling=DD2Sampling(best_of=n), eos_id=eos_id,
                             generator=torch.Generator().manual_seed(5))
     samples = dd2_generate(model, [s for s in src for _ in range(n)], 12, eos_id=eos_id,
                            generator=torch.Generator().manual_seed(5)).tokens
@@ -427,11 +427,13 @@ def test_best_of_keeps_the_judges_likeliest_sample(eos_id):
             [len(t + ends) for t in mine])
         assert best.tokens[i] == mine[int(scores.argmax())]
     assert best.forward_passes == 2  # one denoising pass over every sample, one judge pass
-    one = best_of_generate(model, judge, src, prompts, 12, n=1, eos_id=eos_id, generator=torch.Generator().manual_seed(5))
+    one = best_of_generate(model, judge, src, prompts, 12, eos_id=eos_id, generator=torch.Generator().manual_seed(5))
     plain = dd2_generate(model, src, 12, eos_id=eos_id, generator=torch.Generator().manual_seed(5))
     assert one.tokens == plain.tokens and one.forward_passes == 1
-    with pytest.raises(DiffarError, match="n >= 1"):
-        best_of_generate(model, judge, src, prompts, 12, n=0)
+    with pytest.raises(DiffarError, match="best_of must be >= 1"):
+        DD2Sampling(best_of=0)
+    with pytest.raises(DiffarError, match="needs an AR judge"):
+        dd2_generate(model, src, 12, sampling=DD2Sampling(best_of=2))
 
 
 # ---- the command line ---------------------------------------------------------------------------------
@@ -665,7 +667,7 @@ def test_serve_dd2(tiny_dd2, tiny_vqvae, tiny_run):
         assert pinned.json()["diffar"]["token_ids"] == expected.tokens[0]
         assert expected.tokens[0][1] == 5 and expected.tokens[0][3] == 6
         for bad, param in [({"method": "ar"}, "method"), ({"prompt": "word " * 200}, "prompt"),
-                           ({"max_tokens": 500}, "max_tokens")]:
+                           ({"max_tokens": 500}, "max_tokens"), ({"best_of": 2}, "best_of")]:
             r = httpx.post(url + "/v1/completions", json={**body, **bad}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     finally:
@@ -674,3 +676,28 @@ def test_serve_dd2(tiny_dd2, tiny_vqvae, tiny_run):
     assert_clean_error(run_cli("serve", "--checkpoint", tiny_vqvae), "does not generate text")
     assert_clean_error(run_cli("serve", "--checkpoint", tiny_run, "--method", "dd2"),
                        "cannot serve this ar checkpoint")
+
+
+def test_serve_dd2_best_of(tiny_dd2, tiny_run):
+    """With --judge, a request's best_of samples are drawn and the judge keeps one: a seeded request gives
+    exactly what best_of_generate gives for that seed; best_of cannot be streamed."""
+    model, tokenizer, _ = load_checkpoint(tiny_dd2 / "x0")
+    judge, _, _ = load_checkpoint(tiny_run)
+    prompt = "In the beginning God created the heaven and the earth."
+    proc, url = start_server(tiny_dd2 / "x0", "--judge", tiny_run)
+    try:
+        body = {"prompt": prompt, "max_tokens": 12, "seed": 5, "best_of": 3}
+        out = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        source = tokenizer.encode(prompt)
+        expected = best_of_generate(model, judge, [source], [source + [tokenizer.sep_id]], 12,
+                                    sampling=DD2Sampling(best_of=3), eos_id=tokenizer.eos_id,
+                                    generator=torch.Generator().manual_seed(5))
+        assert out["diffar"]["token_ids"] == expected.tokens[0]
+        assert out["diffar"]["passes"] == {"steps": 1, "denoiser_passes": 1, "decoder_passes": 1, "judge_passes": 1,
+                                           "batch_size": 1}
+        r = httpx.post(url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert_clean_error(run_cli("serve", "--checkpoint", tiny_run, "--judge", tiny_run), "DD2 checkpoint only")

@@ -9,8 +9,8 @@ so a one-step sample (t = 1) decodes at tau_min and many-step samples end near t
 Sampling policies from the seed (section 5.2 and 6): presets `speed` (30 steps, tau 0.7, guidance 1.5) and
 `quality` (100 steps, tau 0.3, guidance 2.0); adaptive steps min(100, 50 + length // 10); and hybrid
 sampling for long outputs: one step for the first (up to) 50 tokens, then an AR model continues that prefix
-with its KV cache (`hybrid_generate`). Best of n (`best_of_generate`): n samples per source from independent
-noise, and an AR model keeps the one it finds likeliest. Pinned tokens (`Pins`) are written into the latent canvas after every
+with its KV cache (`hybrid_generate`). Best of n (`DD2Sampling.best_of`, `best_of_generate`): n samples per
+source from independent noise, and an AR model keeps the one it finds likeliest. Pinned tokens (`Pins`) are written into the latent canvas after every
 step, and `on_step` watches the text form step by step.
 """
 
@@ -43,10 +43,13 @@ class DD2Sampling:
     guidance_scale: float = 1.0  # 1: conditional only
     tau_max: float = 0.0
     tau_min: float = 0.0
+    best_of: int = 1  # samples per source, of which an AR judge keeps the likeliest (`best_of_generate`)
 
     def __post_init__(self):
         if self.steps <= 0:
             raise DiffarError(f"the number of denoising steps must be positive, got {self.steps}")
+        if self.best_of <= 0:
+            raise DiffarError(f"best_of must be >= 1, got {self.best_of}")
         if self.sampler not in SCHEDULERS:
             raise DiffarError(f"unknown sampler {self.sampler!r}; choose one of {', '.join(SCHEDULERS)}")
         if not self.guidance_scale >= 0:
@@ -139,6 +142,8 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
     tokens (see `Pins`); the output keeps them, and each pinned step costs one more decoder and encoder pass."""
     if max_new <= 0:
         raise DiffarError(f"max_new must be positive, got {max_new}")
+    if sampling.best_of > 1:
+        raise DiffarError("choosing the best of several samples needs an AR judge: use best_of_generate")
     if not sources or any(not s for s in sources):
         raise DiffarError("every source needs at least one token")
     canvas = model.config.vqvae.target_len
@@ -244,20 +249,20 @@ def hybrid_generate(model: DD2Model, ar: Transformer, sources: list[list[int]], 
 
 
 def best_of_generate(model: DD2Model, judge: Transformer, sources: list[list[int]], prompts: list[list[int]],
-                     max_new: int, *, n: int, sampling: DD2Sampling = DD2Sampling(), eos_id: int | None = None,
+                     max_new: int, *, sampling: DD2Sampling = DD2Sampling(), eos_id: int | None = None,
                      pad_id: int = 0, generator: torch.Generator | None = None,
                      fixed: list[dict[int, int]] | None = None) -> DD2Result:
-    """`n` samples per source from independent noise, all in one batched `dd2_generate` call; then `judge`
-    (an AR model) scores every sample after its prompt in one teacher-forced pass, and each row keeps the
-    sample with the highest mean log-probability per token (a seq2seq text's <eos> counted, so the judge
-    weighs where it ends too). This is the noisy parallel decoding of non-autoregressive translation
-    (Gu et al. 2018, arXiv 1711.02281) and OpenAI's `best_of`. `prompts` are the judge's prompts (seq2seq:
-    source + <sep>); `fixed` pins as in `dd2_generate`. With n = 1 there is nothing to choose: no judge pass."""
-    if n <= 0:
-        raise DiffarError(f"best of n needs n >= 1, got {n}")
+    """`sampling.best_of` (n) samples per source from independent noise, all in one batched `dd2_generate`
+    call; then `judge` (an AR model) scores every sample after its prompt in one teacher-forced pass, and
+    each row keeps the sample with the highest mean log-probability per token (a seq2seq text's <eos>
+    counted, so the judge weighs where it ends too). This is the noisy parallel decoding of
+    non-autoregressive translation (Gu et al. 2018, arXiv 1711.02281) and OpenAI's `best_of`. `prompts` are
+    the judge's prompts (seq2seq: source + <sep>); `fixed` pins as in `dd2_generate`. With n = 1 there is
+    nothing to choose: no judge pass."""
+    n = sampling.best_of
     rows = [i for i in range(len(sources)) for _ in range(n)]
-    out = dd2_generate(model, [sources[i] for i in rows], max_new, sampling=sampling, eos_id=eos_id, pad_id=pad_id,
-                       generator=generator, fixed=fixed and [fixed[i] for i in rows])
+    out = dd2_generate(model, [sources[i] for i in rows], max_new, sampling=replace(sampling, best_of=1),
+                       eos_id=eos_id, pad_id=pad_id, generator=generator, fixed=fixed and [fixed[i] for i in rows])
     if n == 1:
         return out
     t0 = time.perf_counter()

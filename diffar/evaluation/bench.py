@@ -157,15 +157,15 @@ DD2_METHODS = {  # name -> sampling (None: plain AR); dd2-hybrid: one step for 5
 }
 
 
-def dd2_method(name: str) -> tuple[DD2Sampling | None, int]:
-    """The sampling a bench method name stands for, and how many samples per source the AR model chooses
-    among: one of DD2_METHODS, dd2-N (N DDIM steps) or dd2-NxK (the best of K N-step samples)."""
+def dd2_method(name: str) -> DD2Sampling | None:
+    """The sampling a bench method name stands for: one of DD2_METHODS, dd2-N (N DDIM steps) or dd2-NxK
+    (the best of K N-step samples, by the AR model)."""
     if name in DD2_METHODS:
-        return DD2_METHODS[name], 1
+        return DD2_METHODS[name]
     steps, _, best_of = name.removeprefix("dd2-").partition("x")
     if name.startswith("dd2-") and steps.isdigit() and int(steps) > 0 and (
             not best_of or best_of.isdigit() and int(best_of) > 0):
-        return DD2Sampling(steps=int(steps)), int(best_of or 1)
+        return DD2Sampling(steps=int(steps), best_of=int(best_of or 1))
     raise DiffarError(f"unknown method {name!r}; choose dd2-N (N sampling steps), dd2-NxK (the AR model's pick of "
                       f"K N-step samples) or {', '.join(DD2_METHODS)}")
 
@@ -206,7 +206,7 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
     for bs in batch_sizes:
         batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
         for method in methods:
-            sampling, best_of = samplings[method]
+            sampling = samplings[method]
             generator = torch.Generator().manual_seed(seed)
 
             def run(rows, n):
@@ -216,9 +216,9 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
                 if method == "dd2-hybrid":
                     return hybrid_generate(model, ar, [sources[i] for i in rows], [prompts[i] for i in rows], n,
                                            **decode)
-                if best_of > 1:
+                if sampling.best_of > 1:
                     return best_of_generate(model, ar, [sources[i] for i in rows], [prompts[i] for i in rows], n,
-                                            n=best_of, **decode)
+                                            **decode)
                 return dd2_generate(model, [sources[i] for i in rows], n, **decode)
 
             run(batches[0], 8)  # warm-up
@@ -232,7 +232,7 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
             new = sum(map(len, outs))
             quality = text_metrics([tokenizer.decode(o).strip() for o in outs], references)
             extra = {"split": split, "prompts": len(prompts), "steps": steps[0] if len(set(steps)) == 1 else "adaptive",
-                     "best_of": best_of if sampling else None,
+                     "best_of": sampling.best_of if sampling else None,
                      "guidance_scale": sampling.guidance_scale if sampling else None,
                      "tau_max": sampling.tau_max if sampling else None, **quality}
             if not seq2seq:

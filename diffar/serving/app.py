@@ -145,8 +145,13 @@ def create_app(method, tokenizer, meta: dict, model_id: str, *, max_batch_size: 
         if max_tokens > room:
             raise APIError(400, f"max_tokens ({max_tokens}) exceeds the {room} new tokens this prompt leaves room for",
                            code="context_length_exceeded", param="max_tokens")
+        if body.best_of > 1 and (method.name != "dd2" or method.judge is None):
+            raise APIError(400, "best_of > 1 needs a DD2 server started with --judge AR_CHECKPOINT", param="best_of")
+        if body.best_of > 1 and body.stream:
+            raise APIError(400, "best_of > 1 cannot be streamed: the judge picks once every sample is done",
+                           param="best_of")
         if method.name == "dd2":
-            sampling = dd2_sampling(body.steps, body.guidance_scale, body.preset)
+            sampling = dd2_sampling(body.steps, body.guidance_scale, body.preset, body.best_of)
         else:
             sampling = SamplingConfig(body.temperature, body.top_k, body.top_p)
         return Request(ids, max_tokens, sampling, stop=body.stop_list(), seed=body.seed,

@@ -7,7 +7,8 @@ how many new tokens that input leaves room for, whether requests fit one batch, 
   them); the AR stream's prompt, room and pins, and tokens reach the requests block by block.
 - `DD2Method`: DD2 sampling (one step by default, or a request's `steps` / `preset`; pins kept in the
   latent canvas); every row's text is ready after the last denoising step, so a stream gets it in one
-  burst, after (with several steps) a snapshot of the whole text after each step.
+  burst, after (with several steps) a snapshot of the whole text after each step. With a `judge` (an AR
+  model), a request's `best_of` samples are drawn and the judge keeps the likeliest (`best_of_generate`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from diffar.data.batching import prompt_ids
 from diffar.decoding.ar import generate
-from diffar.decoding.dd2 import DD2Sampling, dd2_generate
+from diffar.decoding.dd2 import DD2Sampling, best_of_generate, dd2_generate
 from diffar.decoding.refusion import refusion_generate
 from diffar.tokenizer import Tokenizer
 
@@ -70,8 +71,8 @@ CONTINUATION_ROOM = 1024  # the most new tokens a request to a continuation DD2 
 class DD2Method:
     name = "dd2"
 
-    def __init__(self, model, tokenizer: Tokenizer, task: str):
-        self.model, self.tokenizer, self.task = model, tokenizer, task
+    def __init__(self, model, tokenizer: Tokenizer, task: str, judge=None):
+        self.model, self.tokenizer, self.task, self.judge = model, tokenizer, task, judge
         self.vq = model.config.vqvae
 
     def prompt(self, text: str) -> list[int]:
@@ -97,17 +98,22 @@ class DD2Method:
             for request, tokens in zip(batch, rows):
                 request.snapshot(i + 1, tokens, tok)
 
-        streaming = any(r.stream for r in batch)  # a snapshot costs a decoder pass per step
-        result = dd2_generate(self.model, [r.prompt_ids for r in batch], max(r.max_tokens for r in batch),
-                              sampling=batch[0].sampling, eos_id=tok.eos_id if self.task == "seq2seq" else None,
-                              pad_id=tok.pad_id, generator=generator, on_step=on_step if streaming else None,
-                              fixed=[r.fixed for r in batch])
+        sources, budget, sampling = [r.prompt_ids for r in batch], max(r.max_tokens for r in batch), batch[0].sampling
+        decode = dict(sampling=sampling, eos_id=tok.eos_id if self.task == "seq2seq" else None, pad_id=tok.pad_id,
+                      generator=generator, fixed=[r.fixed for r in batch])
+        if sampling.best_of > 1:  # the app admits these only with a judge, and never streamed
+            judge_prompts = [s + [tok.sep_id] if self.task == "seq2seq" else s for s in sources]
+            result = best_of_generate(self.model, self.judge, sources, judge_prompts, budget, **decode)
+        else:
+            streaming = any(r.stream for r in batch)  # a snapshot costs a decoder pass per step
+            result = dd2_generate(self.model, sources, budget, on_step=on_step if streaming else None, **decode)
         for request, tokens in zip(batch, result.tokens):
             for token in tokens:
                 if not request.push(token, tok):
                     break
-        report(batch, {"steps": result.steps, "denoiser_passes": result.forward_passes,
-                       "decoder_passes": result.decoder_passes})
+        judged = sampling.best_of > 1  # best_of_generate counts the judge's pass among its forward passes
+        report(batch, {"steps": result.steps, "denoiser_passes": result.forward_passes - judged,
+                       "decoder_passes": result.decoder_passes} | ({"judge_passes": 1} if judged else {}))
 
 
 def report(batch: list, passes: dict) -> None:
@@ -116,8 +122,10 @@ def report(batch: list, passes: dict) -> None:
         request.passes = {**passes, "batch_size": len(batch)}
 
 
-def dd2_sampling(steps: int | None, guidance_scale: float | None, preset: str | None) -> DD2Sampling:
+def dd2_sampling(steps: int | None, guidance_scale: float | None, preset: str | None,
+                 best_of: int = 1) -> DD2Sampling:
     """A request's DD2 sampling: a preset with its overrides, or one step (and guidance 1) by default."""
     if preset:
-        return DD2Sampling.from_preset(preset, steps=steps, guidance_scale=guidance_scale)
-    return DD2Sampling(steps=steps or 1, guidance_scale=1.0 if guidance_scale is None else guidance_scale)
+        return DD2Sampling.from_preset(preset, steps=steps, guidance_scale=guidance_scale, best_of=best_of)
+    return DD2Sampling(steps=steps or 1, guidance_scale=1.0 if guidance_scale is None else guidance_scale,
+                       best_of=best_of)
