@@ -333,8 +333,8 @@ def cmd_generate(args) -> None:
     if method != "dd2" and (args.preset or args.guidance is not None or args.tau is not None or args.hybrid
                             or args.adaptive_steps or args.sampler or args.tau_min is not None or args.best_of
                             or args.judge):
-        raise DiffarError("--preset, --guidance, --tau, --tau-min, --sampler, --adaptive-steps, --hybrid, --best-of and "
-                          "--judge apply to --method dd2 only")
+        raise DiffarError("--preset, --guidance, --tau, --tau-min, --sampler, --adaptive-steps, --hybrid, --best-of "
+                          "and --judge apply to --method dd2 only")
     if method == "ar" and args.steps is not None:
         raise DiffarError("--steps applies to --method refusion or dd2")
     if method == "dd2":
@@ -486,7 +486,8 @@ def cmd_serve(args) -> None:
         raise DiffarError(f"--method {method} cannot serve this {kind} checkpoint")
     if args.judge and method != "dd2":
         raise DiffarError("--judge picks among DD2 samples; it applies to a DD2 checkpoint only")
-    judge = args.judge and load_ar(args.judge, tokenizer, "--judge", task=meta["task"], dtype=DTYPES[args.dtype])
+    judge = load_ar(args.judge, tokenizer, "--judge", task=meta["task"], dtype=DTYPES[args.dtype]) if args.judge \
+        else None
     served = {"ar": lambda: ARMethod(ar_stream(model), tokenizer, meta["task"]),
               "refusion": lambda: RefusionMethod(model, tokenizer, meta["task"]),
               "dd2": lambda: DD2Method(model, tokenizer, meta["task"], judge)}[method]()
@@ -550,7 +551,7 @@ def cmd_bench_lossless(args) -> None:
 # ---- parser ---------------------------------------------------------------------------------------
 SPLIT_HELP = "valid for comparing training choices (ablations), test for the reported figures"
 INFERENCE_DTYPES = ("fp32", "bf16")
-DTYPE_HELP = "the weights' and activations' type at inference (bf16: faster on CPUs with bf16 matrix units)"
+DTYPE_HELP = "weights and activations at inference; bf16 is faster on CPUs with bf16 matrix units"
 
 
 def _positive_int(text: str) -> int:
@@ -705,7 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", default="fp32", choices=INFERENCE_DTYPES, help=DTYPE_HELP + " (every model loaded)")
+    g.add_argument("--dtype", default="fp32", choices=INFERENCE_DTYPES, help=DTYPE_HELP + ", every model loaded")
     g.add_argument("--no-cache", action="store_true", help="recompute every step (slow; for comparison)")
     g.add_argument("--no-echo", action="store_true", help="do not repeat a continuation prompt")
     g.add_argument("--draft", help="speculative decoding: a small AR checkpoint (same tokenizer) drafts tokens")
@@ -774,7 +775,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bdd = b_sub.add_parser("dd2", help="DD2 one-step / few-step / hybrid sampling against AR")
     bdd.add_argument("--checkpoint", default="checkpoints/dd2-kjv2web", help="a DD2 checkpoint")
-    bdd.add_argument("--ar", default="checkpoints/ar-kjv2web", help="the AR baseline (and hybrid's continuer)")
+    bdd.add_argument("--ar", default="checkpoints/ar-kjv2web",
+                     help="the AR baseline (and hybrid's continuer, and dd2-NxK's judge)")
     bdd.add_argument("--methods", nargs="+", default=["ar", "dd2-1", "dd2-30", "dd2-50", "dd2-100", "dd2-hybrid"],
                      help="ar, dd2-N (N DDIM steps), dd2-NxK (--ar picks the best of K N-step samples), "
                           "dd2-adaptive, dd2-hybrid, dd2-speed, dd2-quality")
@@ -784,7 +786,7 @@ def build_parser() -> argparse.ArgumentParser:
     bdd.add_argument("--new-tokens", type=_positive_int, default=256, help="continuation: tokens per prompt")
     bdd.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1, 16])
     bdd.add_argument("--seed", type=int, default=0)
-    bdd.add_argument("--dtype", default="fp32", choices=INFERENCE_DTYPES, help=DTYPE_HELP + " (every method alike)")
+    bdd.add_argument("--dtype", default="fp32", choices=INFERENCE_DTYPES, help=DTYPE_HELP + ", every model alike")
     bdd.add_argument("--out", required=True, help="JSON file to write")
     bdd.set_defaults(func=cmd_bench_dd2)
 
@@ -801,7 +803,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=_positive_int, default=4096, help="waiting requests before 429")
     sv.add_argument("--dtype", default="fp32", choices=INFERENCE_DTYPES, help=DTYPE_HELP)
     sv.add_argument("--judge", metavar="AR_CHECKPOINT",
-                    help="dd2: an AR model that lets requests ask for best_of > 1 samples and keeps the likeliest")
+                    help="dd2: an AR model that lets requests ask for best_of > 1 samples (not streamed) and "
+                         "keeps the likeliest")
     sv.add_argument("--log-level", default="warning")
     sv.set_defaults(func=cmd_serve)
 

@@ -392,8 +392,6 @@ def test_hybrid_is_one_step_prefix_then_ar_continuation():
     assert hybrid.forward_passes == one.forward_passes + rest.forward_passes
 
 
-
-
 @pytest.mark.parametrize("prediction", ["x0", "eps"])
 def test_bf16_network_samples_like_fp32(prediction):
     """A bf16 network samples what its fp32 original does, but for rounding, at 1 step and at 100: the sample
@@ -408,10 +406,12 @@ def test_bf16_network_samples_like_fp32(prediction):
         same = sum(a == b for x, y in zip(full, half) for a, b in zip(x, y))
         assert same >= 0.8 * sum(map(len, full)), (steps, full, half)
 
+
 @pytest.mark.parametrize("eos_id", [EOS, None])
 def test_best_of_keeps_the_judges_likeliest_sample(eos_id):
     """Each row keeps, of its n samples (drawn as one batch with that row repeated n times), the one with
-    the highest mean log-probability per token under the judge, its <eos> counted for seq2seq."""
+    the highest mean log-probability per token under the judge, the <eos> of a seq2seq text that ended
+    counted."""
     model, judge, n = random_dd2(eos_id=eos_id), random_model(1), 4
     src = sources(3)
     prompts = [s + [3] for s in src]
@@ -420,11 +420,10 @@ def test_best_of_keeps_the_judges_likeliest_sample(eos_id):
     samples = dd2_generate(model, [s for s in src for _ in range(n)], 12, eos_id=eos_id,
                            generator=torch.Generator().manual_seed(5)).tokens
     assert any(len(set(map(tuple, samples[i * n:i * n + n]))) > 1 for i in range(len(src)))  # a choice to make
-    ends = [EOS] if eos_id is not None else []
+    scored = [t + [EOS] if eos_id is not None and len(t) < 12 else t for t in samples]  # an ended text's <eos>
     for i, prompt in enumerate(prompts):
-        mine = samples[i * n:i * n + n]
-        scores = log_likelihoods(judge, [prompt] * n, [t + ends for t in mine]) / torch.tensor(
-            [len(t + ends) for t in mine])
+        mine, texts = samples[i * n:i * n + n], scored[i * n:i * n + n]
+        scores = log_likelihoods(judge, [prompt] * n, texts) / torch.tensor(list(map(len, texts)))
         assert best.tokens[i] == mine[int(scores.argmax())]
     assert best.forward_passes == 2  # one denoising pass over every sample, one judge pass
     one = best_of_generate(model, judge, src, prompts, 12, eos_id=eos_id, generator=torch.Generator().manual_seed(5))
@@ -434,6 +433,18 @@ def test_best_of_keeps_the_judges_likeliest_sample(eos_id):
         DD2Sampling(best_of=0)
     with pytest.raises(DiffarError, match="needs an AR judge"):
         dd2_generate(model, src, 12, sampling=DD2Sampling(best_of=2))
+
+
+def test_best_of_keeps_pins_across_canvases():
+    """A continuation longer than one canvas is sampled canvas after canvas for every sample; the kept
+    sample has the full length and the pins."""
+    model, judge, src = random_dd2(eos_id=None), random_model(1), sources(2)
+    canvas = model.config.vqvae.target_len
+    pins = [{1: 7, canvas + 2: 9}, {}]
+    best = best_of_generate(model, judge, src, src, canvas + 5, sampling=DD2Sampling(best_of=3), fixed=pins,
+                            generator=torch.Generator().manual_seed(1))
+    assert [len(t) for t in best.tokens] == [canvas + 5] * 2
+    assert best.tokens[0][1] == 7 and best.tokens[0][canvas + 2] == 9
 
 
 # ---- the command line ---------------------------------------------------------------------------------
@@ -536,7 +547,7 @@ def test_cli_bad_input(tiny_dd2, tiny_vqvae, tiny_run, tokenizer_path, tmp_path)
     assert_clean_error(run_cli(*args, "--best-of", "4", "--judge", tiny_run, "--hybrid", tiny_run), "do not combine")
     assert_clean_error(run_cli(*args, "--best-of", "0", "--judge", tiny_run), "positive")
     assert_clean_error(run_cli("bench", "dd2", "--checkpoint", tiny_dd2 / "x0", "--ar", tiny_run, "--methods",
-                               "dd2-1x0", "--out", tmp_path / "b.json"), "unknown method")
+                               "dd2-1x0", "dd2-1x", "--out", tmp_path / "b.json"), "unknown method")
     assert_clean_error(run_cli("generate", "--checkpoint", tiny_run, "--prompt", "x", "--steps", "2",
                                "--method", "dd2"), "needs a DD2 checkpoint")
     assert_clean_error(run_cli("generate", "--checkpoint", tiny_vqvae, "--prompt", "x"), "does not generate")

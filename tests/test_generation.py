@@ -102,5 +102,9 @@ def test_log_likelihoods_batched_equal_one_row_forward(tiny_model):
             logp = torch.log_softmax(tiny_model(seq)[0][0].float(), -1)
         expected = sum(float(logp[len(prompt) + j - 1, tok]) for j, tok in enumerate(out))
         assert batched[row].item() == pytest.approx(expected, abs=1e-4)
+    context = tiny_model.config.max_seq_len  # the last token is scored, never read: context + 1 tokens fit
+    assert log_likelihoods(tiny_model, [[5] * context], [[6]]).shape == (1,)
     with pytest.raises(DiffarError, match="context"):
-        log_likelihoods(tiny_model, [[5] * tiny_model.config.max_seq_len], [[6]])
+        log_likelihoods(tiny_model, [[5] * context], [[6, 7]])
+    with pytest.raises(DiffarError, match="2 prompts but 1 outputs"):
+        log_likelihoods(tiny_model, [[5], [6]], [[7]])

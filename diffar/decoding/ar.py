@@ -203,16 +203,18 @@ def generate(
 def log_likelihoods(model: Transformer, prompts: list[list[int]], outputs: list[list[int]],
                     pad_id: int = 0) -> torch.Tensor:
     """Teacher-forced scoring: log p(output | prompt) summed over each row's output tokens (B,), every row
-    in one causal pass over prompt + output, right-padded (a causal position never sees the padding after
-    it). The output layer runs only at the positions that predict an output token."""
+    in one causal pass over prompt + output (but its last token), right-padded (a causal position never
+    sees the padding after it). The output layer runs only at the positions that predict an output token."""
+    if len(prompts) != len(outputs):
+        raise DiffarError(f"{len(prompts)} prompts but {len(outputs)} outputs to score")
     if any(not p for p in prompts):
         raise DiffarError("empty prompt: give at least one token of text")
     seqs = [p + o for p, o in zip(prompts, outputs)]
-    if max(map(len, seqs)) > model.config.max_seq_len:
+    if max(map(len, seqs)) - 1 > model.config.max_seq_len:
         raise DiffarError(f"prompt + output exceeds the model's context of {model.config.max_seq_len} tokens")
     ids, _ = pad_right(seqs, pad_id)
     device = model.tok_emb.weight.device
-    hidden = model.hidden_states(ids.to(device))
+    hidden = model.hidden_states(ids[:, :-1].to(device))
     rows = torch.tensor([r for r, o in enumerate(outputs) for _ in o], dtype=torch.long)
     cols = torch.tensor([len(p) + j for p, o in zip(prompts, outputs) for j in range(len(o))], dtype=torch.long)
     logits = model.lm_head(hidden[rows, cols - 1]).float()

@@ -9,9 +9,9 @@ so a one-step sample (t = 1) decodes at tau_min and many-step samples end near t
 Sampling policies from the seed (section 5.2 and 6): presets `speed` (30 steps, tau 0.7, guidance 1.5) and
 `quality` (100 steps, tau 0.3, guidance 2.0); adaptive steps min(100, 50 + length // 10); and hybrid
 sampling for long outputs: one step for the first (up to) 50 tokens, then an AR model continues that prefix
-with its KV cache (`hybrid_generate`). Best of n (`DD2Sampling.best_of`, `best_of_generate`): n samples per
-source from independent noise, and an AR model keeps the one it finds likeliest. Pinned tokens (`Pins`) are written into the latent canvas after every
-step, and `on_step` watches the text form step by step.
+with its KV cache (`hybrid_generate`). Best of n (`DD2Sampling.best_of`, `best_of_generate`): n samples
+per source from independent noise, and an AR model keeps the one it finds likeliest. Pinned tokens (`Pins`)
+are written into the latent canvas after every step, and `on_step` watches the text form step by step.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ class DD2Result:
     tokens: list[list[int]]  # per row, up to (not including) <eos>
     seconds: float
     steps: int
-    forward_passes: int  # denoiser passes (a guided step is one pass over a doubled batch)
+    forward_passes: int  # denoiser passes (a guided step is one pass over a doubled batch), and the AR
+    # passes of hybrid's continuation or of best of n's judge
     decoder_passes: int
     prompt_tokens: list[int] = field(default_factory=list)
 
@@ -254,11 +255,11 @@ def best_of_generate(model: DD2Model, judge: Transformer, sources: list[list[int
                      fixed: list[dict[int, int]] | None = None) -> DD2Result:
     """`sampling.best_of` (n) samples per source from independent noise, all in one batched `dd2_generate`
     call; then `judge` (an AR model) scores every sample after its prompt in one teacher-forced pass, and
-    each row keeps the sample with the highest mean log-probability per token (a seq2seq text's <eos>
-    counted, so the judge weighs where it ends too). This is the noisy parallel decoding of
-    non-autoregressive translation (Gu et al. 2018, arXiv 1711.02281) and OpenAI's `best_of`. `prompts` are
-    the judge's prompts (seq2seq: source + <sep>); `fixed` pins as in `dd2_generate`. With n = 1 there is
-    nothing to choose: no judge pass."""
+    each row keeps the sample with the highest mean log-probability per token (the <eos> of a seq2seq text
+    that ended within `max_new` counted, so the judge weighs where it ends too). This is the noisy parallel
+    decoding of non-autoregressive translation (Gu et al. 2018, arXiv 1711.02281) and OpenAI's `best_of`.
+    `prompts` are the judge's prompts (seq2seq: source + <sep>); `fixed` pins as in `dd2_generate`. With
+    n = 1 there is nothing to choose: no judge pass."""
     n = sampling.best_of
     rows = [i for i in range(len(sources)) for _ in range(n)]
     out = dd2_generate(model, [sources[i] for i in rows], max_new, sampling=replace(sampling, best_of=1),
@@ -266,8 +267,8 @@ def best_of_generate(model: DD2Model, judge: Transformer, sources: list[list[int
     if n == 1:
         return out
     t0 = time.perf_counter()
-    ends = [eos_id] if eos_id is not None else []
-    samples = [(i, tuple(t + ends)) for i, t in zip(rows, out.tokens)]
+    ended = [eos_id] if eos_id is not None else []  # a seq2seq text that ended is scored with its <eos>
+    samples = [(i, tuple(t + ended if len(t) < max_new else t)) for i, t in zip(rows, out.tokens)]
     unique = list(dict.fromkeys(samples))  # one-step samples often agree: each distinct one is scored once
     scores = log_likelihoods(judge, [prompts[i] for i, _ in unique], [list(t) for _, t in unique], pad_id)
     mean = dict(zip(unique, (scores / torch.tensor([max(1, len(t)) for _, t in unique])).tolist()))

@@ -39,7 +39,8 @@ class BenchRecord:
 
 def bench_ar(checkpoint: str, corpus_name: str | None, batch_sizes: list[int], new_tokens: int,
              repeats: int, dtype: str = "fp32") -> list[BenchRecord]:
-    """KV-cached vs uncached greedy AR at a fixed number of new tokens (eos ignored), batch by batch."""
+    """KV-cached vs uncached greedy AR at a fixed number of new tokens (eos ignored), batch by batch, each
+    after one warm-up run of the same size; the median of `repeats` runs."""
     model, tokenizer, meta = load_checkpoint(checkpoint, dtype=DTYPES[dtype])
     model = ar_stream(model)
     corpus = load_corpus(corpus_name or meta["corpus"], "test")
@@ -48,8 +49,9 @@ def bench_ar(checkpoint: str, corpus_name: str | None, batch_sizes: list[int], n
     for bs in batch_sizes:
         prompts = [prompt_ids(tokenizer, meta["task"], t) for t in (texts * bs)[:bs]]
         for method, use_cache in (("ar", True), ("ar-nocache", False)):
-            if use_cache:  # warm-up; the uncached run is long enough to need none
-                generate(model, prompts, 8, pad_id=tokenizer.pad_id, eos_id=None)
+            # a whole warm-up run: the first pass at each new length sets up its kernels (in bf16 here, the
+            # first 256-token run took seconds), which is not what a cached step costs
+            generate(model, prompts, new_tokens, pad_id=tokenizer.pad_id, eos_id=None, use_cache=use_cache)
             times = []
             for _ in range(repeats):
                 result = generate(model, prompts, new_tokens, pad_id=tokenizer.pad_id, eos_id=None,
@@ -162,10 +164,10 @@ def dd2_method(name: str) -> DD2Sampling | None:
     (the best of K N-step samples, by the AR model)."""
     if name in DD2_METHODS:
         return DD2_METHODS[name]
-    steps, _, best_of = name.removeprefix("dd2-").partition("x")
+    steps, x, best_of = name.removeprefix("dd2-").partition("x")
     if name.startswith("dd2-") and steps.isdigit() and int(steps) > 0 and (
-            not best_of or best_of.isdigit() and int(best_of) > 0):
-        return DD2Sampling(steps=int(steps), best_of=int(best_of or 1))
+            not x or best_of.isdigit() and int(best_of) > 0):
+        return DD2Sampling(steps=int(steps), best_of=int(best_of) if x else 1)
     raise DiffarError(f"unknown method {name!r}; choose dd2-N (N sampling steps), dd2-NxK (the AR model's pick of "
                       f"K N-step samples) or {', '.join(DD2_METHODS)}")
 

@@ -150,6 +150,9 @@ def create_app(method, tokenizer, meta: dict, model_id: str, *, max_batch_size: 
         if body.best_of > 1 and body.stream:
             raise APIError(400, "best_of > 1 cannot be streamed: the judge picks once every sample is done",
                            param="best_of")
+        if body.best_of > 1 and max_tokens > method.judge_room(ids):
+            raise APIError(400, f"max_tokens ({max_tokens}) exceeds the {method.judge_room(ids)} tokens the judge can "
+                           "score after this prompt", code="context_length_exceeded", param="max_tokens")
         if method.name == "dd2":
             sampling = dd2_sampling(body.steps, body.guidance_scale, body.preset, body.best_of)
         else:

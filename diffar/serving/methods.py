@@ -91,6 +91,15 @@ class DD2Method:
     def fits(self, longest_prompt: int, budget: int) -> bool:
         return True  # each row has its own canvas; room() has bounded both already
 
+    def judge_prompt(self, ids: list[int]) -> list[int]:
+        """What the judge reads before a sample: the source the generator reads, plus <sep> for seq2seq."""
+        return ids + [self.tokenizer.sep_id] if self.task == "seq2seq" else ids
+
+    def judge_room(self, ids: list[int]) -> int:
+        """The most tokens a sample may have for the judge to score it after `judge_prompt(ids)` (its <eos>
+        aside: the judge never reads a text's last token)."""
+        return self.judge.config.max_seq_len - len(self.judge_prompt(ids))
+
     def decode(self, batch: list, generator: torch.Generator | None) -> None:
         tok = self.tokenizer
 
@@ -102,8 +111,8 @@ class DD2Method:
         decode = dict(sampling=sampling, eos_id=tok.eos_id if self.task == "seq2seq" else None, pad_id=tok.pad_id,
                       generator=generator, fixed=[r.fixed for r in batch])
         if sampling.best_of > 1:  # the app admits these only with a judge, and never streamed
-            judge_prompts = [s + [tok.sep_id] if self.task == "seq2seq" else s for s in sources]
-            result = best_of_generate(self.model, self.judge, sources, judge_prompts, budget, **decode)
+            result = best_of_generate(self.model, self.judge, sources, list(map(self.judge_prompt, sources)), budget,
+                                      **decode)
         else:
             streaming = any(r.stream for r in batch)  # a snapshot costs a decoder pass per step
             result = dd2_generate(self.model, sources, budget, on_step=on_step if streaming else None, **decode)
@@ -111,9 +120,9 @@ class DD2Method:
             for token in tokens:
                 if not request.push(token, tok):
                     break
-        judged = sampling.best_of > 1  # best_of_generate counts the judge's pass among its forward passes
-        report(batch, {"steps": result.steps, "denoiser_passes": result.forward_passes - judged,
-                       "decoder_passes": result.decoder_passes} | ({"judge_passes": 1} if judged else {}))
+        judge_passes = 1 if sampling.best_of > 1 else 0  # best_of_generate counts it among its forward passes
+        report(batch, {"steps": result.steps, "denoiser_passes": result.forward_passes - judge_passes,
+                       "decoder_passes": result.decoder_passes} | ({"judge_passes": 1} if judge_passes else {}))
 
 
 def report(batch: list, passes: dict) -> None:
