@@ -25,6 +25,8 @@ demo: install
 	$(DIFFAR) generate --checkpoint checkpoints/ar-kjv2web --prompt "And God said, Let there be light: and there was light."
 	$(DIFFAR) generate --checkpoint checkpoints/refusion-kjv2web --prompt "And God said, Let there be light: and there was light."
 	$(DIFFAR) generate --checkpoint checkpoints/dd2-kjv2web --prompt "And God said, Let there be light: and there was light."
+	$(DIFFAR) generate --checkpoint checkpoints/dd2-kjv2web --best-of 2 --judge checkpoints/ar-kjv2web \
+		--prompt "And God said, Let there be light: and there was light."
 	printf 'Romeo.\nBut soft! what light through yonder window breaks?\n' | \
 		$(DIFFAR) generate --checkpoint checkpoints/ar-shakespeare --max-new-tokens 128
 
