@@ -398,8 +398,8 @@ def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
     if args.temperature or args.top_k or args.top_p != 1.0 or args.draft or args.prompt_lookup or args.no_cache:
         raise DiffarError("dd2 samples with --tau (decoding temperature); --temperature, --top-k, --top-p, "
                           "--draft, --prompt-lookup and --no-cache are AR options")
-    if bool(args.best_of) != bool(args.judge):
-        raise DiffarError("--best-of N and --judge AR_CHECKPOINT go together: the judge picks one of the N samples")
+    if args.judge and not args.best_of:
+        raise DiffarError("--judge picks one of --best-of N samples; pass --best-of too")
     if args.best_of and args.hybrid:
         raise DiffarError("--best-of and --hybrid do not combine; choose one")
     knobs = dict(steps=args.steps, adaptive=args.adaptive_steps or None, guidance_scale=args.guidance,
@@ -419,7 +419,8 @@ def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
         result = hybrid_generate(model, ar, [source], [prompt_ids(tokenizer, meta["task"], text)],
                                  args.max_new_tokens, **decode)
     elif args.best_of:
-        judge = load_ar(args.judge, tokenizer, "--judge", task=meta["task"], dtype=DTYPES[args.dtype])
+        judge = load_ar(args.judge, tokenizer, "--judge", task=meta["task"], dtype=DTYPES[args.dtype]) \
+            if args.judge else None
         result = best_of_generate(model, judge, [source], [prompt_ids(tokenizer, meta["task"], text)],
                                   args.max_new_tokens, **decode)
     else:
@@ -429,7 +430,7 @@ def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
     print(tokenizer.decode(result.tokens[0]))
     n = result.new_tokens
     label = "dd2-hybrid" if args.hybrid else f"dd2 {result.steps}-step {sampling.sampler}" + (
-        f", best of {args.best_of}" if args.best_of else "")
+        f", best of {args.best_of} by the {'AR judge' if args.judge else 'decoder'}" if args.best_of else "")
     print(f"[{label}] {n} tokens in {result.seconds:.3f} s = {n / result.seconds:.1f} tokens/s | "
           f"{result.forward_passes} forward passes ({n / result.forward_passes:.2f} tokens/pass), "
           f"{result.decoder_passes} decoder passes | guidance {sampling.guidance_scale}, tau {sampling.tau_max} | "
@@ -723,8 +724,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hybrid", metavar="AR_CHECKPOINT",
                    help="dd2: one step for the first 50 tokens, then this AR model continues with its KV cache")
     g.add_argument("--best-of", type=_positive_int, metavar="N",
-                   help="dd2: sample N texts from independent noise; --judge keeps the likeliest")
-    g.add_argument("--judge", metavar="AR_CHECKPOINT", help="dd2 --best-of: the AR model that scores the samples")
+                   help="dd2: sample N texts from independent noise and keep the likeliest (by the decoder's own "
+                        "confidence, or by --judge)")
+    g.add_argument("--judge", metavar="AR_CHECKPOINT", help="dd2 --best-of: an AR model that scores the samples")
     g.add_argument("--dynamic", action="store_true", help="refusion: the seed's dynamic schedule")
     g.add_argument("--plan-infill", type=float, metavar="THRESHOLD",
                    help="refusion: keep drafts at least this confident unverified (faster, not lossless)")
@@ -779,7 +781,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the AR baseline (and hybrid's continuer, and dd2-NxK's judge)")
     bdd.add_argument("--methods", nargs="+", default=["ar", "dd2-1", "dd2-30", "dd2-50", "dd2-100", "dd2-hybrid"],
                      help="ar, dd2-N (N DDIM steps), dd2-NxK (--ar picks the best of K N-step samples), "
-                          "dd2-adaptive, dd2-hybrid, dd2-speed, dd2-quality")
+                          "dd2-NxK-self (the decoder picks), dd2-adaptive, dd2-hybrid, dd2-speed, dd2-quality")
     bdd.add_argument("--corpus", help="prompts from this corpus (default: the checkpoint's corpus)")
     bdd.add_argument("--split", default="test", choices=("valid", "test"), help=SPLIT_HELP)
     bdd.add_argument("--prompts", type=_positive_int, default=128)
@@ -803,8 +805,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=_positive_int, default=4096, help="waiting requests before 429")
     sv.add_argument("--dtype", default="fp32", choices=INFERENCE_DTYPES, help=DTYPE_HELP)
     sv.add_argument("--judge", metavar="AR_CHECKPOINT",
-                    help="dd2: an AR model that lets requests ask for best_of > 1 samples (not streamed) and "
-                         "keeps the likeliest")
+                    help="dd2: the AR model that picks among a request's best_of samples (without it, the "
+                         "decoder's own confidence picks)")
     sv.add_argument("--log-level", default="warning")
     sv.set_defaults(func=cmd_serve)
 

@@ -431,8 +431,39 @@ def test_best_of_keeps_the_judges_likeliest_sample(eos_id):
     assert one.tokens == plain.tokens and one.forward_passes == 1
     with pytest.raises(DiffarError, match="best_of must be >= 1"):
         DD2Sampling(best_of=0)
-    with pytest.raises(DiffarError, match="needs an AR judge"):
+    with pytest.raises(DiffarError, match="needs best_of_generate"):
         dd2_generate(model, src, 12, sampling=DD2Sampling(best_of=2))
+
+
+@pytest.mark.parametrize("eos_id", [EOS, None])
+def test_best_of_without_a_judge_keeps_the_decoders_likeliest(eos_id):
+    """Without a judge, each row keeps the sample whose read-out the decoder gave the highest mean
+    log-probability (`confidence`, a row's own: the same alone as in a batch), with no extra pass."""
+    model, n, src = random_dd2(eos_id=eos_id), 4, sources(3)
+    best = best_of_generate(model, None, src, None, 12, sampling=DD2Sampling(best_of=n), eos_id=eos_id,
+                            generator=torch.Generator().manual_seed(5))
+    samples = dd2_generate(model, [s for s in src for _ in range(n)], 12, eos_id=eos_id,
+                           generator=torch.Generator().manual_seed(5))
+    assert all(c <= 0 for c in samples.confidence)
+    for i in range(len(src)):
+        mine = range(i * n, i * n + n)
+        assert len({samples.confidence[j] for j in mine}) > 1  # a choice to make
+        j = max(mine, key=lambda j: samples.confidence[j])
+        assert best.tokens[i] == samples.tokens[j] and best.confidence[i] == samples.confidence[j]
+    assert best.forward_passes == 1
+    alone = dd2_generate(model, src[:1], 12, eos_id=eos_id, generator=torch.Generator().manual_seed(5))
+    batched = dd2_generate(model, src, 12, eos_id=eos_id, generator=torch.Generator().manual_seed(5))
+    assert alone.confidence[0] == pytest.approx(batched.confidence[0], abs=1e-5)
+
+
+def test_bench_method_names():
+    from diffar.evaluation.bench import dd2_method
+
+    assert dd2_method("dd2-3") == DD2Sampling(steps=3) and dd2_method("ar") is None
+    assert dd2_method("dd2-1x4") == dd2_method("dd2-1x4-self") == DD2Sampling(best_of=4)
+    for bad in ("dd2-0", "dd2-1x0", "dd2-1x", "dd2-2-self", "dd2-x2", "dd2-1x2-selfish"):
+        with pytest.raises(DiffarError, match="unknown method"):
+            dd2_method(bad)
 
 
 def test_best_of_keeps_pins_across_canvases():
@@ -527,14 +558,18 @@ def test_cli_hybrid_and_bench(tiny_dd2, tiny_run, tmp_path):
         assert r["extra"]["split"] == "valid"
     assert {r["extra"]["steps"] for r in records if r["method"] == "dd2-3"} == {3}
     proc = run_cli("bench", "dd2", "--checkpoint", tiny_dd2 / "x0", "--ar", tiny_run, "--prompts", "2",
-                   "--batch-sizes", "2", "--methods", "dd2-2x3", "--split", "valid", "--dtype", "bf16", "--out", out)
+                   "--batch-sizes", "2", "--methods", "dd2-2x3", "dd2-1x2-self", "--split", "valid", "--dtype", "bf16",
+                   "--out", out)
     assert proc.returncode == 0, proc.stderr
-    [record] = json.loads(out.read_text())
-    assert record["extra"]["steps"] == 2 and record["extra"]["best_of"] == 3 and record["forward_passes"] == 3
-    assert record["dtype"] == "bf16"
+    judged, own = json.loads(out.read_text())
+    assert judged["extra"]["steps"] == 2 and judged["extra"]["best_of"] == 3 and judged["forward_passes"] == 3
+    assert judged["extra"]["judge"] == "ar" and judged["dtype"] == "bf16"
+    assert own["extra"]["best_of"] == 2 and own["extra"]["judge"] == "decoder" and own["forward_passes"] == 1
     proc = run_cli("generate", "--checkpoint", tiny_dd2 / "x0", "--best-of", "3", "--judge", tiny_run, "--prompt",
                    "In the beginning", "--dtype", "bf16")
-    assert proc.returncode == 0 and "[dd2 1-step ddim, best of 3]" in proc.stderr, proc.stderr
+    assert proc.returncode == 0 and "[dd2 1-step ddim, best of 3 by the AR judge]" in proc.stderr, proc.stderr
+    proc = run_cli("generate", "--checkpoint", tiny_dd2 / "x0", "--best-of", "3", "--prompt", "In the beginning")
+    assert proc.returncode == 0 and "best of 3 by the decoder] " in proc.stderr and "1 forward passes" in proc.stderr
 
 
 def test_cli_bad_input(tiny_dd2, tiny_vqvae, tiny_run, tokenizer_path, tmp_path):
@@ -543,11 +578,11 @@ def test_cli_bad_input(tiny_dd2, tiny_vqvae, tiny_run, tokenizer_path, tmp_path)
     assert_clean_error(run_cli(*args, "--guidance", "-1"), "guidance scale must be >= 0")
     assert_clean_error(run_cli(*args, "--preset", "fast"), "invalid choice")
     assert_clean_error(run_cli(*args, "--temperature", "0.5"), "--tau")
-    assert_clean_error(run_cli(*args, "--best-of", "4"), "go together")
+    assert_clean_error(run_cli(*args, "--judge", tiny_run), "pass --best-of too")
     assert_clean_error(run_cli(*args, "--best-of", "4", "--judge", tiny_run, "--hybrid", tiny_run), "do not combine")
     assert_clean_error(run_cli(*args, "--best-of", "0", "--judge", tiny_run), "positive")
     assert_clean_error(run_cli("bench", "dd2", "--checkpoint", tiny_dd2 / "x0", "--ar", tiny_run, "--methods",
-                               "dd2-1x0", "dd2-1x", "--out", tmp_path / "b.json"), "unknown method")
+                               "dd2-1x0", "--out", tmp_path / "b.json"), "unknown method")
     assert_clean_error(run_cli("generate", "--checkpoint", tiny_run, "--prompt", "x", "--steps", "2",
                                "--method", "dd2"), "needs a DD2 checkpoint")
     assert_clean_error(run_cli("generate", "--checkpoint", tiny_vqvae, "--prompt", "x"), "does not generate")
@@ -677,8 +712,13 @@ def test_serve_dd2(tiny_dd2, tiny_vqvae, tiny_run):
                                 generator=torch.Generator().manual_seed(5), fixed=[{1: 5, 3: 6}])
         assert pinned.json()["diffar"]["token_ids"] == expected.tokens[0]
         assert expected.tokens[0][1] == 5 and expected.tokens[0][3] == 6
+        picked = httpx.post(url + "/v1/completions", json={**body, "best_of": 3}, timeout=60).json()
+        expected = best_of_generate(model, None, [tokenizer.encode(prompt)], None, 12, sampling=DD2Sampling(best_of=3),
+                                    eos_id=tokenizer.eos_id, generator=torch.Generator().manual_seed(5))
+        assert picked["diffar"]["token_ids"] == expected.tokens[0]  # no judge: the decoder's own pick
+        assert picked["diffar"]["passes"]["denoiser_passes"] == 1 and "judge_passes" not in picked["diffar"]["passes"]
         for bad, param in [({"method": "ar"}, "method"), ({"prompt": "word " * 200}, "prompt"),
-                           ({"max_tokens": 500}, "max_tokens"), ({"best_of": 2}, "best_of")]:
+                           ({"max_tokens": 500}, "max_tokens"), ({"best_of": 2, "stream": True}, "best_of")]:
             r = httpx.post(url + "/v1/completions", json={**body, **bad}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     finally:

@@ -10,8 +10,9 @@ Sampling policies from the seed (section 5.2 and 6): presets `speed` (30 steps, 
 `quality` (100 steps, tau 0.3, guidance 2.0); adaptive steps min(100, 50 + length // 10); and hybrid
 sampling for long outputs: one step for the first (up to) 50 tokens, then an AR model continues that prefix
 with its KV cache (`hybrid_generate`). Best of n (`DD2Sampling.best_of`, `best_of_generate`): n samples
-per source from independent noise, and an AR model keeps the one it finds likeliest. Pinned tokens (`Pins`)
-are written into the latent canvas after every step, and `on_step` watches the text form step by step.
+per source from independent noise, and an AR model (or the decoder itself) keeps the likeliest. Pinned
+tokens (`Pins`) are written into the latent canvas after every step, and `on_step` watches the text form
+step by step.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class DD2Sampling:
     guidance_scale: float = 1.0  # 1: conditional only
     tau_max: float = 0.0
     tau_min: float = 0.0
-    best_of: int = 1  # samples per source, of which an AR judge keeps the likeliest (`best_of_generate`)
+    best_of: int = 1  # samples per source, of which one is kept (`best_of_generate`)
 
     def __post_init__(self):
         if self.steps <= 0:
@@ -84,6 +85,9 @@ class DD2Result:
     # passes of hybrid's continuation or of best of n's judge
     decoder_passes: int
     prompt_tokens: list[int] = field(default_factory=list)
+    # per row, the mean log-probability the decoder gave the tokens it read out: the text, and for seq2seq
+    # the end it marked (of the DD2 sample alone, in hybrid sampling)
+    confidence: list[float] = field(default_factory=list)
 
     @property
     def new_tokens(self) -> int:
@@ -144,7 +148,7 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
     if max_new <= 0:
         raise DiffarError(f"max_new must be positive, got {max_new}")
     if sampling.best_of > 1:
-        raise DiffarError("choosing the best of several samples needs an AR judge: use best_of_generate")
+        raise DiffarError("dd2_generate draws one sample per source; best_of > 1 needs best_of_generate")
     if not sources or any(not s for s in sources):
         raise DiffarError("every source needs at least one token")
     canvas = model.config.vqvae.target_len
@@ -154,6 +158,7 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
         raise DiffarError(f"pinned positions must lie within the {max_new} tokens asked for")
     t0 = time.perf_counter()
     tokens: list[list[int]] = [[] for _ in sources]
+    log_prob = [0.0] * len(sources)  # summed over the canvases, for the mean confidence
     passes = decoder_passes = 0
 
     def watch(i: int, rows: list[list[int]]) -> None:
@@ -165,8 +170,10 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
         part = _sample(model, prompts, min(canvas, max_new - start), sampling, eos_id, pad_id, generator,
                        on_step and watch, pins)
         tokens = [t + new for t, new in zip(tokens, part.tokens)]
+        log_prob = [lp + c * len(new) for lp, c, new in zip(log_prob, part.confidence, part.tokens)]
         passes, decoder_passes = passes + part.forward_passes, decoder_passes + part.decoder_passes
-    return DD2Result(tokens, time.perf_counter() - t0, part.steps, passes, decoder_passes, list(map(len, sources)))
+    return DD2Result(tokens, time.perf_counter() - t0, part.steps, passes, decoder_passes, list(map(len, sources)),
+                     [lp / len(t) for lp, t in zip(log_prob, tokens)])
 
 
 def _sample(model: DD2Model, sources: list[list[int]], max_new: int, sampling: DD2Sampling, eos_id: int | None,
@@ -205,12 +212,18 @@ def _sample(model: DD2Model, sources: list[list[int]], max_new: int, sampling: D
         last_t = t
         z = scheduler.step(out, t, z, generator)
     logits = model.decode(z.to(dtype), canvas_mask)
-    ids = read_tokens(logits if pins is None else pins.guard(logits), sampling.tau(last_t), generator)
-    tokens = _rows(ids if pins is None else pins.write(ids), widths, eos_id, pad_id, max_new)
+    logits = logits if pins is None else pins.guard(logits)
+    ids = read_tokens(logits, sampling.tau(last_t), generator)
+    ids = ids if pins is None else pins.write(ids)
+    tokens = _rows(ids, widths, eos_id, pad_id, max_new)
     decoder_passes += 1
     if on_step is not None:
         on_step(steps - 1, tokens)
-    return DD2Result(tokens, time.perf_counter() - t0, steps, passes, decoder_passes, list(map(len, sources)))
+    log_probs = torch.log_softmax(logits.float(), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1).cpu()
+    ended = [eos_id is not None and len(t) < min(max_new, w) for t, w in zip(tokens, widths.tolist())]
+    confidence = [float(row[:len(t) + end].mean()) for row, t, end in zip(log_probs, tokens, ended)]
+    return DD2Result(tokens, time.perf_counter() - t0, steps, passes, decoder_passes, list(map(len, sources)),
+                     confidence)
 
 
 def _rows(ids: torch.Tensor, widths: torch.Tensor, eos_id: int | None, pad_id: int,
@@ -249,17 +262,18 @@ def hybrid_generate(model: DD2Model, ar: Transformer, sources: list[list[int]], 
     return replace(one, tokens=tokens, seconds=seconds, forward_passes=one.forward_passes + ar_passes)
 
 
-def best_of_generate(model: DD2Model, judge: Transformer, sources: list[list[int]], prompts: list[list[int]],
-                     max_new: int, *, sampling: DD2Sampling = DD2Sampling(), eos_id: int | None = None,
-                     pad_id: int = 0, generator: torch.Generator | None = None,
+def best_of_generate(model: DD2Model, judge: Transformer | None, sources: list[list[int]],
+                     prompts: list[list[int]] | None, max_new: int, *, sampling: DD2Sampling = DD2Sampling(),
+                     eos_id: int | None = None, pad_id: int = 0, generator: torch.Generator | None = None,
                      fixed: list[dict[int, int]] | None = None) -> DD2Result:
     """`sampling.best_of` (n) samples per source from independent noise, all in one batched `dd2_generate`
-    call; then `judge` (an AR model) scores every sample after its prompt in one teacher-forced pass, and
-    each row keeps the sample with the highest mean log-probability per token (the <eos> of a seq2seq text
-    that ended within `max_new` counted, so the judge weighs where it ends too). This is the noisy parallel
-    decoding of non-autoregressive translation (Gu et al. 2018, arXiv 1711.02281) and OpenAI's `best_of`.
-    `prompts` are the judge's prompts (seq2seq: source + <sep>); `fixed` pins as in `dd2_generate`. With
-    n = 1 there is nothing to choose: no judge pass."""
+    call, of which each row keeps the likeliest. With `judge` (an AR model), likeliest means the highest
+    mean log-probability per token under the judge, which scores every distinct sample after its prompt in
+    one teacher-forced pass (the <eos> of a seq2seq text that ended within `max_new` counted, so it weighs
+    where the text ends too): the noisy parallel decoding of non-autoregressive translation (Gu et al. 2018,
+    arXiv 1711.02281) and OpenAI's `best_of`. Without one, the generator's own decoder judges, by its
+    `confidence` in what it read out: no extra pass, but a weaker judge. `prompts` are the judge's prompts
+    (seq2seq: source + <sep>); `fixed` pins as in `dd2_generate`. With n = 1 there is nothing to choose."""
     n = sampling.best_of
     rows = [i for i in range(len(sources)) for _ in range(n)]
     out = dd2_generate(model, [sources[i] for i in rows], max_new, sampling=replace(sampling, best_of=1),
@@ -267,11 +281,15 @@ def best_of_generate(model: DD2Model, judge: Transformer, sources: list[list[int
     if n == 1:
         return out
     t0 = time.perf_counter()
-    ended = [eos_id] if eos_id is not None else []  # a seq2seq text that ended is scored with its <eos>
-    samples = [(i, tuple(t + ended if len(t) < max_new else t)) for i, t in zip(rows, out.tokens)]
-    unique = list(dict.fromkeys(samples))  # one-step samples often agree: each distinct one is scored once
-    scores = log_likelihoods(judge, [prompts[i] for i, _ in unique], [list(t) for _, t in unique], pad_id)
-    mean = dict(zip(unique, (scores / torch.tensor([max(1, len(t)) for _, t in unique])).tolist()))
-    best = [max(range(i * n, i * n + n), key=lambda j: mean[samples[j]]) for i in range(len(sources))]
-    return replace(out, tokens=[out.tokens[j] for j in best], prompt_tokens=list(map(len, sources)),
-                   seconds=out.seconds + time.perf_counter() - t0, forward_passes=out.forward_passes + 1)
+    score, passes = out.confidence, out.forward_passes
+    if judge is not None:
+        ended = [eos_id] if eos_id is not None else []  # a seq2seq text that ended is scored with its <eos>
+        samples = [(i, tuple(t + ended if len(t) < max_new else t)) for i, t in zip(rows, out.tokens)]
+        unique = list(dict.fromkeys(samples))  # one-step samples often agree: each distinct one is scored once
+        scores = log_likelihoods(judge, [prompts[i] for i, _ in unique], [list(t) for _, t in unique], pad_id)
+        mean = dict(zip(unique, (scores / torch.tensor([max(1, len(t)) for _, t in unique])).tolist()))
+        score, passes = [mean[sample] for sample in samples], passes + 1
+    best = [max(range(i * n, i * n + n), key=lambda j: score[j]) for i in range(len(sources))]
+    return replace(out, tokens=[out.tokens[j] for j in best], confidence=[out.confidence[j] for j in best],
+                   prompt_tokens=list(map(len, sources)), seconds=out.seconds + time.perf_counter() - t0,
+                   forward_passes=passes)

@@ -160,16 +160,16 @@ DD2_METHODS = {  # name -> sampling (None: plain AR); dd2-hybrid: one step for 5
 
 
 def dd2_method(name: str) -> DD2Sampling | None:
-    """The sampling a bench method name stands for: one of DD2_METHODS, dd2-N (N DDIM steps) or dd2-NxK
-    (the best of K N-step samples, by the AR model)."""
+    """The sampling a bench method name stands for: one of DD2_METHODS, dd2-N (N DDIM steps), dd2-NxK (the
+    best of K N-step samples by the AR model) or dd2-NxK-self (by the generator's own decoder)."""
     if name in DD2_METHODS:
         return DD2_METHODS[name]
-    steps, x, best_of = name.removeprefix("dd2-").partition("x")
+    steps, x, best_of = name.removeprefix("dd2-").removesuffix("-self").partition("x")
     if name.startswith("dd2-") and steps.isdigit() and int(steps) > 0 and (
-            not x or best_of.isdigit() and int(best_of) > 0):
+            not x or best_of.isdigit() and int(best_of) > 0) and (x or not name.endswith("-self")):
         return DD2Sampling(steps=int(steps), best_of=int(best_of) if x else 1)
     raise DiffarError(f"unknown method {name!r}; choose dd2-N (N sampling steps), dd2-NxK (the AR model's pick of "
-                      f"K N-step samples) or {', '.join(DD2_METHODS)}")
+                      f"K N-step samples), dd2-NxK-self (the decoder's own pick) or {', '.join(DD2_METHODS)}")
 
 
 def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_prompts: int, new_tokens: int,
@@ -219,7 +219,8 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
                     return hybrid_generate(model, ar, [sources[i] for i in rows], [prompts[i] for i in rows], n,
                                            **decode)
                 if sampling.best_of > 1:
-                    return best_of_generate(model, ar, [sources[i] for i in rows], [prompts[i] for i in rows], n,
+                    judge = None if method.endswith("-self") else ar
+                    return best_of_generate(model, judge, [sources[i] for i in rows], [prompts[i] for i in rows], n,
                                             **decode)
                 return dd2_generate(model, [sources[i] for i in rows], n, **decode)
 
@@ -235,6 +236,8 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
             quality = text_metrics([tokenizer.decode(o).strip() for o in outs], references)
             extra = {"split": split, "prompts": len(prompts), "steps": steps[0] if len(set(steps)) == 1 else "adaptive",
                      "best_of": sampling.best_of if sampling else None,
+                     "judge": ("decoder" if method.endswith("-self") else "ar") if sampling and sampling.best_of > 1
+                     else None,
                      "guidance_scale": sampling.guidance_scale if sampling else None,
                      "tau_max": sampling.tau_max if sampling else None, **quality}
             if not seq2seq:

@@ -145,12 +145,13 @@ def create_app(method, tokenizer, meta: dict, model_id: str, *, max_batch_size: 
         if max_tokens > room:
             raise APIError(400, f"max_tokens ({max_tokens}) exceeds the {room} new tokens this prompt leaves room for",
                            code="context_length_exceeded", param="max_tokens")
-        if body.best_of > 1 and (method.name != "dd2" or method.judge is None):
-            raise APIError(400, "best_of > 1 needs a DD2 server started with --judge AR_CHECKPOINT", param="best_of")
-        if body.best_of > 1 and body.stream:
-            raise APIError(400, "best_of > 1 cannot be streamed: the judge picks once every sample is done",
+        if body.best_of > 1 and method.name != "dd2":
+            raise APIError(400, f"best_of > 1 applies to method dd2; this server decodes with {method.name}",
                            param="best_of")
-        if body.best_of > 1 and max_tokens > method.judge_room(ids):
+        if body.best_of > 1 and body.stream:
+            raise APIError(400, "best_of > 1 cannot be streamed: one sample is kept once every sample is done",
+                           param="best_of")
+        if body.best_of > 1 and method.judge is not None and max_tokens > method.judge_room(ids):
             raise APIError(400, f"max_tokens ({max_tokens}) exceeds the {method.judge_room(ids)} tokens the judge can "
                            "score after this prompt", code="context_length_exceeded", param="max_tokens")
         if method.name == "dd2":

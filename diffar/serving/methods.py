@@ -7,8 +7,9 @@ how many new tokens that input leaves room for, whether requests fit one batch, 
   them); the AR stream's prompt, room and pins, and tokens reach the requests block by block.
 - `DD2Method`: DD2 sampling (one step by default, or a request's `steps` / `preset`; pins kept in the
   latent canvas); every row's text is ready after the last denoising step, so a stream gets it in one
-  burst, after (with several steps) a snapshot of the whole text after each step. With a `judge` (an AR
-  model), a request's `best_of` samples are drawn and the judge keeps the likeliest (`best_of_generate`).
+  burst, after (with several steps) a snapshot of the whole text after each step. A request's `best_of`
+  samples are drawn and one kept (`best_of_generate`): the likeliest under the server's `judge` (an AR
+  model), or without one by the decoder's own confidence.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ class DD2Method:
         sources, budget, sampling = [r.prompt_ids for r in batch], max(r.max_tokens for r in batch), batch[0].sampling
         decode = dict(sampling=sampling, eos_id=tok.eos_id if self.task == "seq2seq" else None, pad_id=tok.pad_id,
                       generator=generator, fixed=[r.fixed for r in batch])
-        if sampling.best_of > 1:  # the app admits these only with a judge, and never streamed
+        if sampling.best_of > 1:  # never streamed (the app refuses it)
             result = best_of_generate(self.model, self.judge, sources, list(map(self.judge_prompt, sources)), budget,
                                       **decode)
         else:
@@ -120,7 +121,7 @@ class DD2Method:
             for token in tokens:
                 if not request.push(token, tok):
                     break
-        judge_passes = 1 if sampling.best_of > 1 else 0  # best_of_generate counts it among its forward passes
+        judge_passes = 1 if sampling.best_of > 1 and self.judge is not None else 0  # among the forward passes
         report(batch, {"steps": result.steps, "denoiser_passes": result.forward_passes - judge_passes,
                        "decoder_passes": result.decoder_passes} | ({"judge_passes": 1} if judge_passes else {}))
 

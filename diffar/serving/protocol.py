@@ -1,9 +1,8 @@
 """The OpenAI-compatible request bodies (plus diffar's own fields) and the error shape.
 
-Only what diffar can honour is accepted: n must be 1, best_of above 1 only where a DD2 server has a judge
-(and not streamed, as in OpenAI's API), and every knob is validated even where the served method ignores
-it (AR: steps, guidance_scale, preset; DD2: temperature, top_k, top_p), so a client learns about a typo at
-once.
+Only what diffar can honour is accepted: n must be 1, best_of above 1 only for DD2 (and not streamed, as
+in OpenAI's API), and every knob is validated even where the served method ignores it (AR: steps,
+guidance_scale, preset; DD2: temperature, top_k, top_p), so a client learns about a typo at once.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ class GenerationFields(BaseModel):
     stop: StopString | list[StopString] | None = Field(default=None, max_length=4)
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1)
-    best_of: int = Field(default=1, ge=1, le=16)  # DD2: samples per request, of which the judge keeps one
+    best_of: int = Field(default=1, ge=1, le=16)  # DD2: samples per request, of which one is kept
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     # diffar's own
     method: str | None = None  # None: the method the server serves
