@@ -209,6 +209,7 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
         batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
         for method in methods:
             sampling = samplings[method]
+            judge = None if method.endswith("-self") else ar  # who picks among best_of samples
             generator = torch.Generator().manual_seed(seed)
 
             def run(rows, n):
@@ -219,7 +220,6 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
                     return hybrid_generate(model, ar, [sources[i] for i in rows], [prompts[i] for i in rows], n,
                                            **decode)
                 if sampling.best_of > 1:
-                    judge = None if method.endswith("-self") else ar
                     return best_of_generate(model, judge, [sources[i] for i in rows], [prompts[i] for i in rows], n,
                                             **decode)
                 return dd2_generate(model, [sources[i] for i in rows], n, **decode)
@@ -236,8 +236,7 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
             quality = text_metrics([tokenizer.decode(o).strip() for o in outs], references)
             extra = {"split": split, "prompts": len(prompts), "steps": steps[0] if len(set(steps)) == 1 else "adaptive",
                      "best_of": sampling.best_of if sampling else None,
-                     "judge": ("decoder" if method.endswith("-self") else "ar") if sampling and sampling.best_of > 1
-                     else None,
+                     "judge": ("decoder" if judge is None else "ar") if sampling and sampling.best_of > 1 else None,
                      "guidance_scale": sampling.guidance_scale if sampling else None,
                      "tau_max": sampling.tau_max if sampling else None, **quality}
             if not seq2seq:
