@@ -212,7 +212,7 @@ def _dd2_start(args, prediction: str):
     if args.canvas_len and vqvae is not None:  # a layout choice: the same autoencoder reads canvases of any length
         vqvae.config = replace(vqvae.config, target_len=args.canvas_len)
     overrides = {k: getattr(args, k) for k in ("schedule", "cond_drop", "mse_weight", "ce_weight", "bleu_weight",
-                                               "semantic_weight", "refine_prob")
+                                               "semantic_weight", "energy_weight", "refine_prob")
                  if getattr(args, k, None) is not None}
     overrides["prediction"] = prediction
     if encoder is not None:
@@ -279,6 +279,8 @@ def cmd_distill_dd2(args) -> None:
     if args.teacher_examples and args.teacher_examples < len(pairs):  # spread evenly: the subset spans the corpus
         pairs = [pairs[i * len(pairs) // args.teacher_examples] for i in range(args.teacher_examples)]
     seq2seq = corpus.task == "seq2seq"
+    if cfg.energy_weight:
+        model.set_energy_model(teacher, tokenizer.sep_id if seq2seq else None)
     prompts = [src + [tokenizer.sep_id] if seq2seq else src for src, _ in pairs]
     budgets = [vq.width(len(src)) - 1 if seq2seq else vq.target_len for src, _ in pairs]
     outputs = teacher_outputs(teacher, prompts, budgets, Path(args.out) / "teacher.jsonl", pad_id=tokenizer.pad_id,
@@ -686,6 +688,8 @@ def build_parser() -> argparse.ArgumentParser:
     dd.add_argument("--ce-weight", type=float, help="token cross-entropy through the decoder (default 1)")
     dd.add_argument("--bleu-weight", type=float, help="minimum-risk expected-BLEU loss (default 0)")
     dd.add_argument("--semantic-weight", type=float, help="1 - cosine of mean embeddings (default 0)")
+    dd.add_argument("--energy-weight", type=float,
+                    help="the teacher's energy (cross-entropy) of the relaxed one-step output (ENGINE; default 0)")
     dd.add_argument("--refine-prob", type=float,
                     help="share of the t < 1 examples noised from the model's own one-step draft, so that "
                          "few-step sampling refines drafts (default 0)")

@@ -16,7 +16,8 @@ from diffar.data.batching import pad_right
 from diffar.decoding.ar import generate, log_likelihoods
 from diffar.decoding.dd2 import DD2Sampling, adaptive_steps, best_of_generate, dd2_generate, hybrid_generate
 from diffar.errors import DiffarError
-from diffar.models.dd2 import DD2Config, DD2Model, expected_bleu_risk, same_weights, semantic_distance
+from diffar.models.dd2 import DD2Config, DD2Model, expected_bleu_risk, same_weights, semantic_distance, \
+    teacher_energy
 from diffar.models.transformer import TransformerConfig
 from diffar.models.vqvae import TextVQVAE, VQVAEConfig
 from diffar.serving.methods import CONTINUATION_ROOM, DD2Method
@@ -133,6 +134,62 @@ def test_distillation_loss_weights_are_applied_as_configured(weights):
     assert all(p.grad is None for p in model.vqvae.parameters())  # the autoencoder stays frozen
 
 
+@pytest.mark.parametrize("eos_id", [EOS, None])
+def test_energy_of_a_one_hot_canvas_is_the_teachers_nll(eos_id):
+    """The energy of a (near) one-hot canvas is the teacher's mean negative log-likelihood of its text after
+    the prompt it reads (a seq2seq source and <sep>; a continuation prompt as it is), over the slots before
+    the target's <eos>; rows of other lengths in the batch change nothing."""
+    sep = 3
+    model = random_dd2(prediction="x0", eos_id=eos_id)
+    teacher = random_model(5)
+    model.set_energy_model(teacher, sep if eos_id is not None else None)
+    rows = sources(3, seed=7)
+    source, mask = pad_right(rows, 0)
+    canvas = torch.randint(5, VOCAB, (3, 9), generator=torch.Generator().manual_seed(8))
+    targets = canvas.clone()
+    targets[0, 6:], targets[2, 3:] = EOS, EOS  # ends at <eos> (a continuation canvas has none: EOS is a token)
+    logits = F.one_hot(targets, VOCAB).float() * 1e4
+    nll, count = 0.0, 0
+    for row, target in zip(rows, targets.tolist()):
+        prompt = row + [sep] if eos_id is not None else row
+        text = target[:target.index(EOS)] if eos_id is not None and EOS in target else target
+        lp = F.log_softmax(teacher(torch.tensor([prompt + text]))[0][0, len(prompt) - 1:-1], dim=-1)
+        nll -= float(lp.gather(1, torch.tensor(text)[:, None]).sum())
+        count += len(text)
+    assert float(model._energy(logits, source, mask, targets)) == pytest.approx(nll / count, rel=1e-4)
+    # a softer canvas is scored by its expected embedding, and the gradient reaches its logits
+    soft = (torch.randn(3, 9, VOCAB) * 3).requires_grad_()
+    energy = teacher_energy(teacher, soft, source, mask.sum(1), torch.ones(3, 9, dtype=torch.bool))
+    energy.backward()
+    assert soft.grad.abs().sum() > 0 and all(p.grad is None for p in teacher.parameters())
+
+
+def test_energy_loss_trains_the_denoiser_on_one_step_rows_and_is_not_saved(tmp_path, tokenizer):
+    model = random_dd2(prediction="x0", energy_weight=0.5, full_noise_prob=1.0).train()
+    source, mask = torch.randint(5, VOCAB, (2, 6)), torch.ones(2, 6, dtype=torch.bool)
+    targets = torch.randint(5, VOCAB, (2, 10))
+    with pytest.raises(DiffarError, match="needs the AR teacher"):
+        model(source, mask, targets)
+    teacher = random_model(5)
+    model.set_energy_model(teacher, 3)
+    _, loss = model(source, mask, targets)
+    parts = model.loss_parts
+    assert parts["energy"] > 0
+    assert float(loss.detach()) == pytest.approx(parts["mse"] + parts["ce"] + 0.5 * parts["energy"], rel=1e-5)
+    loss.backward()
+    assert model.denoiser.latent_out.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in teacher.parameters())
+    model.config.full_noise_prob = 0.0  # no row at t = 1: no one-step output to score
+    model(source, mask, targets)
+    assert "energy" not in model.loss_parts
+    write_checkpoint(tmp_path / "ckpt", model, {"kind": "dd2", "model": model.config.to_dict(), "task": "seq2seq",
+                                                "corpus": "kjv2web"}, tokenizer)
+    loaded, _, _ = load_checkpoint(tmp_path / "ckpt")  # strict: no teacher weights in the file
+    assert loaded.energy_model is None and loaded.config.energy_weight == 0.5
+    with pytest.raises(DiffarError, match="vocabulary"):
+        model.set_energy_model(random_model(5, vocab=100), 3)
+
+
 @pytest.mark.parametrize("refine_prob", [0.0, 1.0])
 def test_refinement_examples_are_noised_one_step_drafts(refine_prob):
     """With refine_prob, a t < 1 example's input is what DDIM feeds its second step: the network's own
@@ -200,6 +257,7 @@ def test_bleu_risk_gradient_favours_the_better_draw():
     (dict(prediction="v"), "unknown prediction"), (dict(cond_drop=1.0), "cond_drop"),
     (dict(ce_weight=-1.0), "loss weights"), (dict(schedule="sqrt"), "unknown noise schedule"),
     (dict(bleu_samples=1), "bleu_samples"), (dict(refine_prob=1.5), "refine_prob"),
+    (dict(energy_weight=float("nan")), "loss weights"),
     (dict(source_encoder=TransformerConfig.from_preset("tiny", vocab_size=100)), "source encoder's vocabulary"),
 ])
 def test_bad_config(bad, message):
@@ -497,6 +555,7 @@ def tiny_dd2(tiny_vqvae, tiny_run, tmp_path_factory):
     assert stage2.returncode == 0, stage2.stderr
     distill = run_cli("distill", "dd2", "--teacher", tiny_run, "--init", runs / "eps", "--corpus", "kjv2web",
                       "--teacher-examples", "24", "--bleu-weight", "0.5", "--semantic-weight", "0.5",
+                      "--energy-weight", "0.5",
                       "--out", runs / "x0", "--max-steps", "4", *TINY_TRAIN)
     assert distill.returncode == 0, distill.stderr
     return runs
@@ -513,7 +572,7 @@ def test_cli_pipeline(tiny_dd2, tiny_vqvae, tiny_run):
     teacher = [json.loads(line) for line in (tiny_dd2 / "x0" / "teacher.jsonl").read_text().splitlines()]
     assert len(teacher) == 24
     metrics = [json.loads(line) for line in (tiny_dd2 / "x0" / "metrics.jsonl").read_text().splitlines()]
-    assert {"mse", "ce", "bleu", "semantic"} <= set(metrics[-1])
+    assert {"mse", "ce", "bleu", "semantic", "energy"} <= set(metrics[-1])
 
 
 def test_cli_resume_keeps_the_latent_scale(tiny_vqvae, tmp_path):

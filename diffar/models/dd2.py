@@ -20,6 +20,7 @@ Two parameterisations (`prediction`):
   an x0 network makes the one-step jump its plain output. The seed's multi-granularity loss applies here:
       mse_weight * ||z0_hat - z0||^2 + ce_weight * CE(decoder(z0_hat), teacher tokens)
       + bleu_weight * minimum-risk expected BLEU + semantic_weight * (1 - cos(mean embeddings))
+      + energy_weight * the AR teacher's energy of the one-step output (`teacher_energy`)
   With `refine_prob`, some of the t < 1 examples are built from the network's own one-step draft x1 instead
   of the true latent: z_t = sqrt(alpha_bar_t) x1 + sqrt(1 - alpha_bar_t) z1, exactly what DDIM feeds the
   second step. Trained only on noised true latents, the network trusts z_t at t < 1 and turns a (blurry,
@@ -70,6 +71,7 @@ class DD2Config:
     ce_weight: float = 1.0
     bleu_weight: float = 0.0
     semantic_weight: float = 0.0
+    energy_weight: float = 0.0  # needs the AR teacher attached (`DD2Model.set_energy_model`; distill dd2 does)
     bleu_samples: int = 4  # canvases sampled per example for the expected-BLEU loss
     eos_id: int | None = None  # where a seq2seq canvas's text ends (None: continuation, no end)
     source_encoder: TransformerConfig | None = None  # a frozen AR model whose hidden states join the source prefix
@@ -93,7 +95,8 @@ class DD2Config:
              "the source encoder's vocabulary differs from the autoencoder's"),
         ]
         checks += [(w >= 0 and math.isfinite(w), f"loss weights must be >= 0, got {w}")
-                   for w in (self.mse_weight, self.ce_weight, self.bleu_weight, self.semantic_weight)]
+                   for w in (self.mse_weight, self.ce_weight, self.bleu_weight, self.semantic_weight,
+                             self.energy_weight)]
         for ok, message in checks:
             if not ok:
                 raise DiffarError(message)
@@ -185,6 +188,8 @@ class DD2Model(nn.Module):
         self.denoiser = LatentDenoiser(cfg)
         self.schedule = NoiseSchedule(cfg.schedule)
         self.loss_parts: dict[str, float] = {}
+        # (teacher, sep_id) for the energy loss: a plain tuple, so the teacher is neither a parameter nor saved
+        self.energy_model: tuple[Transformer, int | None] | None = None
 
     def train(self, mode: bool = True) -> DD2Model:
         super().train(mode)
@@ -204,6 +209,13 @@ class DD2Model(nn.Module):
         if self.source_encoder is None or ar.config.to_dict() != self.config.source_encoder.to_dict():
             raise DiffarError("the AR model's config differs from the source encoder this DD2 model is built for")
         self.source_encoder.load_state_dict(ar.state_dict())
+
+    def set_energy_model(self, teacher: Transformer, sep_id: int | None) -> None:
+        """The frozen AR model whose energy the one-step output is trained to lower (`energy_weight`); it reads
+        a seq2seq source followed by `sep_id`, a continuation prompt as it is."""
+        if teacher.config.vocab_size != self.config.vqvae.vocab_size:
+            raise DiffarError("the energy model's vocabulary differs from the autoencoder's")
+        self.energy_model = (teacher.requires_grad_(False).eval(), sep_id)
 
     @torch.no_grad()
     def encode_source(self, source: torch.Tensor) -> torch.Tensor | None:
@@ -262,7 +274,8 @@ class DD2Model(nn.Module):
             loss = F.mse_loss(out, noise)
             self.loss_parts = {"eps_mse": float(loss.detach())}
             return out, loss
-        return out, self._distillation_loss(out, z0, targets)
+        one_step = (t == 1) & (keep.squeeze(1) if self.training else True)  # one-step outputs given their source
+        return out, self._distillation_loss(out, z0, targets, source, source_mask, one_step)
 
     def _from_drafts(self, z_t: torch.Tensor, t: torch.Tensor, source: torch.Tensor, source_mask: torch.Tensor,
                      states: torch.Tensor | None) -> torch.Tensor:
@@ -278,7 +291,8 @@ class DD2Model(nn.Module):
         a = self.schedule.alpha_bar(t[rows]).view(-1, 1, 1).to(z_t.dtype)
         return z_t.index_put((rows,), a.sqrt() * draft + (1 - a).sqrt() * start)
 
-    def _distillation_loss(self, z0_hat: torch.Tensor, z0: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _distillation_loss(self, z0_hat: torch.Tensor, z0: torch.Tensor, targets: torch.Tensor,
+                           source: torch.Tensor, source_mask: torch.Tensor, one_step: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         logits = self.decode(z0_hat).float()
         parts = {"mse": F.mse_loss(z0_hat, z0), "ce": F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1))}
@@ -286,12 +300,30 @@ class DD2Model(nn.Module):
             parts["bleu"] = expected_bleu_risk(logits, targets, cfg.bleu_samples, cfg.eos_id)
         if cfg.semantic_weight:
             parts["semantic"] = semantic_distance(logits, targets, self.vqvae.tok_emb.weight)
+        if cfg.energy_weight and one_step.any():
+            parts["energy"] = self._energy(logits[one_step], source[one_step], source_mask[one_step],
+                                           targets[one_step])
         weights = {"mse": cfg.mse_weight, "ce": cfg.ce_weight, "bleu": cfg.bleu_weight,
-                   "semantic": cfg.semantic_weight}
+                   "semantic": cfg.semantic_weight, "energy": cfg.energy_weight}
         loss = sum(weights[k] * v for k, v in parts.items())
         self.loss_parts = {k: float(v.detach()) for k, v in parts.items()}
         self.loss_parts["token_acc"] = float((logits.argmax(-1) == targets).float().mean())
         return loss
+
+    def _energy(self, logits: torch.Tensor, source: torch.Tensor, source_mask: torch.Tensor,
+                targets: torch.Tensor) -> torch.Tensor:
+        """`teacher_energy` of these rows' decoded canvases, over the slots before each target's <eos>."""
+        if self.energy_model is None:
+            raise DiffarError("energy_weight needs the AR teacher attached (set_energy_model; distill dd2 does it)")
+        teacher, sep_id = self.energy_model
+        teacher.to(logits.device)  # the trainer moves this model to its device, not the unregistered teacher
+        prompt, prompt_len = source, source_mask.sum(1)
+        if sep_id is not None:  # seq2seq: the teacher reads source <sep>
+            prompt = F.pad(source, (0, 1)).scatter(1, prompt_len[:, None], sep_id)
+            prompt_len = prompt_len + 1
+        content = torch.ones_like(targets, dtype=torch.bool) if self.config.eos_id is None \
+            else (targets == self.config.eos_id).cumsum(1) == 0
+        return teacher_energy(teacher, logits, prompt, prompt_len, content)
 
 
 def _text(ids: list[int], eos_id: int | None) -> str:
@@ -324,3 +356,29 @@ def semantic_distance(logits: torch.Tensor, targets: torch.Tensor, table: torch.
     predicted = (F.softmax(logits, dim=-1) @ table.float()).mean(1)
     reference = F.embedding(targets, table.float()).mean(1)
     return (1 - F.cosine_similarity(predicted, reference, dim=-1)).mean()
+
+
+def teacher_energy(teacher: Transformer, logits: torch.Tensor, prompt: torch.Tensor, prompt_len: torch.Tensor,
+                   content: torch.Tensor) -> torch.Tensor:
+    """ENGINE's energy (Tu et al. 2020, arXiv 2005.00850): the AR teacher's cross-entropy of a relaxed
+    non-autoregressive output. Slot i's token distribution q_i = softmax(logits_i) enters the teacher as its
+    expected embedding, after each row's prompt (right-padded `prompt`, `prompt_len` tokens), and
+
+        energy = mean over `content` slots of  -sum_v q_i(v) log p_teacher(v | prompt, q_<i)
+
+    A one-hot q gives the teacher's negative log-likelihood of that text. Unlike cross-entropy against the
+    teacher's text slot by slot, a word one slot early or late is not wrong at every later slot: the teacher
+    scores the generator's own prefix, so the loss pushes towards text the teacher finds likely (a dropped
+    word, a stutter), not towards the teacher's exact positions."""
+    q = F.softmax(logits.float(), dim=-1)  # (B, N, V)
+    table = teacher.tok_emb.weight
+    B, N, _ = q.shape
+    d = table.shape[1]
+    slot = torch.arange(prompt.shape[1] + N, device=q.device) - prompt_len[:, None]  # (B, T); < 0 in the prompt
+    soft = (q.to(table.dtype) @ table).gather(1, slot.clamp(0, N - 1).unsqueeze(-1).expand(-1, -1, d))
+    x = torch.where((slot < 0).unsqueeze(-1), F.embedding(F.pad(prompt, (0, N)), table), soft)
+    reads = prompt_len[:, None] - 1 + torch.arange(N, device=q.device)  # the position that predicts each slot
+    h = teacher.hidden_states(embeddings=x).gather(1, reads.unsqueeze(-1).expand(-1, -1, d))
+    logp = F.log_softmax(teacher.lm_head(h).float(), dim=-1)
+    energy = -(q * logp).sum(-1)
+    return (energy * content).sum() / content.sum().clamp(min=1)

@@ -196,8 +196,9 @@ class Transformer(nn.Module):
 
     def hidden_states(
         self,
-        tokens: torch.Tensor,
+        tokens: torch.Tensor | None = None,
         *,
+        embeddings: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
         cache_start: int | None = None,
@@ -205,16 +206,20 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """tokens (B, T) -> final (normed) hidden states (B, T, d_model); arguments as in `forward`.
 
-        `fuse(i, x)`, if given, rewrites the residual stream after block i (ReFusion's AR-side fusion).
+        `embeddings` (B, T, d_model) replace the tokens' own: soft tokens, such as a distribution's expected
+        embedding (the DD2 energy loss reads a generator's relaxed output so). `fuse(i, x)`, if given, rewrites
+        the residual stream after block i (ReFusion's AR-side fusion).
         """
-        B, T = tokens.shape
+        if (tokens is None) == (embeddings is None):
+            raise ValueError("pass tokens or embeddings, not both")
+        x = self.tok_emb(tokens) if embeddings is None else embeddings
+        B, T = x.shape[:2]
         if positions is None:
             start = cache_start or 0
-            positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
+            positions = torch.arange(start, start + T, device=x.device).expand(B, T)
         if int(positions.max()) >= self.config.max_seq_len:
             raise DiffarError(f"sequence longer than the model's context ({self.config.max_seq_len} tokens)")
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        x = self.tok_emb(tokens)
         for i, block in enumerate(self.blocks):
             if self.gradient_checkpointing and torch.is_grad_enabled() and cache_start is None:
                 x = checkpoint(block, x, cos, sin, attn_mask, None, use_reentrant=False)
