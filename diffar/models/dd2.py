@@ -368,8 +368,8 @@ def teacher_energy(teacher: Transformer, logits: torch.Tensor, prompt: torch.Ten
 
     A one-hot q gives the teacher's negative log-likelihood of that text. Unlike cross-entropy against the
     teacher's text slot by slot, a word one slot early or late is not wrong at every later slot: the teacher
-    scores the generator's own prefix, so the loss pushes towards text the teacher finds likely (a dropped
-    word, a stutter), not towards the teacher's exact positions."""
+    scores the generator's own prefix, so the loss rewards text the teacher finds likely, wherever its words
+    land, rather than the teacher's exact positions."""
     q = F.softmax(logits.float(), dim=-1)  # (B, N, V)
     table = teacher.tok_emb.weight
     B, N, _ = q.shape
