@@ -179,6 +179,15 @@ def test_energy_loss_trains_the_denoiser_on_one_step_rows_and_is_not_saved(tmp_p
     loss.backward()
     assert model.denoiser.latent_out.weight.grad.abs().sum() > 0
     assert all(p.grad is None for p in teacher.parameters())
+    # only the rows at t = 1 that kept their source are scored
+    model.config.full_noise_prob, model.config.cond_drop = 0.5, 0.5
+    seen, forward, energy = {}, model.denoiser.forward, model._energy
+    model.denoiser.forward = lambda z, t, s, m, **kw: seen.update(t=t, kept=m.any(1)) or forward(z, t, s, m, **kw)
+    model._energy = lambda logits, *rest: seen.update(rows=len(logits)) or energy(logits, *rest)
+    torch.manual_seed(0)
+    model(torch.randint(5, VOCAB, (16, 6)), torch.ones(16, 6, dtype=torch.bool), torch.randint(5, VOCAB, (16, 10)))
+    expected = int(((seen["t"] == 1) & seen["kept"]).sum())
+    assert 0 < expected < 16 and seen["rows"] == expected
     model.config.full_noise_prob = 0.0  # no row at t = 1: no one-step output to score
     model(source, mask, targets)
     assert "energy" not in model.loss_parts

@@ -55,8 +55,8 @@ def test_dd2_translates_in_one_step_within_the_shipped_autoencoder():
     """The one-step generator carries the shipped autoencoder unchanged (at bf16), and its BLEU-4 on the first
     64 test verses holds (measured here: 65.9 in one step, 66.2 in two, 66.2 for the AR model's pick of two
     one-step samples, 65.7 with both models in bf16; AR 65.2; the full figures are in docs/benchmarks.md).
-    A broken sampler or decoder reads near 0, a generator that lost its last training stage ~57; a judge
-    that picked the less likely sample would lose."""
+    A broken sampler or decoder reads near 0, a generator that lost its last training stage ~57; the AR
+    judge's pick of two must score above one sample."""
     from diffar.evaluation.bench import bench_dd2
     from diffar.models.dd2 import same_weights
 

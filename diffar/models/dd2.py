@@ -312,7 +312,10 @@ class DD2Model(nn.Module):
 
     def _energy(self, logits: torch.Tensor, source: torch.Tensor, source_mask: torch.Tensor,
                 targets: torch.Tensor) -> torch.Tensor:
-        """`teacher_energy` of these rows' decoded canvases, over the slots before each target's <eos>."""
+        """`teacher_energy` of these rows' decoded canvases, over the slots before each target's <eos>. The
+        <eos> slot itself is not scored (a canvas may end in <pad>, which the teacher never predicts): the end
+        of the text is left to the position-wise terms, or, with the energy alone, to what the model had
+        learnt before."""
         if self.energy_model is None:
             raise DiffarError("energy_weight needs the AR teacher attached (set_energy_model; distill dd2 does it)")
         teacher, sep_id = self.energy_model
@@ -372,11 +375,11 @@ def teacher_energy(teacher: Transformer, logits: torch.Tensor, prompt: torch.Ten
     land, rather than the teacher's exact positions."""
     q = F.softmax(logits.float(), dim=-1)  # (B, N, V)
     table = teacher.tok_emb.weight
-    B, N, _ = q.shape
-    d = table.shape[1]
-    slot = torch.arange(prompt.shape[1] + N, device=q.device) - prompt_len[:, None]  # (B, T); < 0 in the prompt
+    N, d = q.shape[1], table.shape[1]
+    # the teacher reads each row's prompt, then slots 0..N-2 (the last slot's input predicts nothing)
+    slot = torch.arange(prompt.shape[1] + N - 1, device=q.device) - prompt_len[:, None]  # (B, T); < 0: prompt
     soft = (q.to(table.dtype) @ table).gather(1, slot.clamp(0, N - 1).unsqueeze(-1).expand(-1, -1, d))
-    x = torch.where((slot < 0).unsqueeze(-1), F.embedding(F.pad(prompt, (0, N)), table), soft)
+    x = torch.where((slot < 0).unsqueeze(-1), F.embedding(F.pad(prompt, (0, N - 1)), table), soft)
     reads = prompt_len[:, None] - 1 + torch.arange(N, device=q.device)  # the position that predicts each slot
     h = teacher.hidden_states(embeddings=x).gather(1, reads.unsqueeze(-1).expand(-1, -1, d))
     logp = F.log_softmax(teacher.lm_head(h).float(), dim=-1)

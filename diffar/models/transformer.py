@@ -211,7 +211,7 @@ class Transformer(nn.Module):
         the residual stream after block i (ReFusion's AR-side fusion).
         """
         if (tokens is None) == (embeddings is None):
-            raise ValueError("pass tokens or embeddings, not both")
+            raise ValueError("pass exactly one of tokens and embeddings")
         x = self.tok_emb(tokens) if embeddings is None else embeddings
         B, T = x.shape[:2]
         if positions is None:
