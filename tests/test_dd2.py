@@ -528,7 +528,7 @@ def test_bench_method_names():
 
     assert dd2_method("dd2-3") == DD2Sampling(steps=3) and dd2_method("ar") is None
     assert dd2_method("dd2-1x4") == dd2_method("dd2-1x4-self") == DD2Sampling(best_of=4)
-    for bad in ("dd2-0", "dd2-1x0", "dd2-1x", "dd2-2-self", "dd2-x2", "dd2-1x2-selfish"):
+    for bad in ("dd2-0", "dd2-1x0", "dd2-1x", "dd2-2-self", "dd2-x2", "dd2-1x2-selfish", "dd2-\u00b2"):
         with pytest.raises(DiffarError, match="unknown method"):
             dd2_method(bad)
 

@@ -4,6 +4,7 @@ later methods (DD2, ReFusion) extend; `diffar bench ...` prints a table and writ
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -164,10 +165,9 @@ def dd2_method(name: str) -> DD2Sampling | None:
     best of K N-step samples by the AR model) or dd2-NxK-self (by the generator's own decoder)."""
     if name in DD2_METHODS:
         return DD2_METHODS[name]
-    steps, x, best_of = name.removeprefix("dd2-").removesuffix("-self").partition("x")
-    if name.startswith("dd2-") and steps.isdigit() and int(steps) > 0 and (
-            not x or best_of.isdigit() and int(best_of) > 0) and (x or not name.endswith("-self")):
-        return DD2Sampling(steps=int(steps), best_of=int(best_of) if x else 1)
+    match = re.fullmatch(r"dd2-([0-9]+)(?:x([0-9]+)(-self)?)?", name)
+    if match and int(match[1]) > 0 and int(match[2] or 1) > 0:
+        return DD2Sampling(steps=int(match[1]), best_of=int(match[2] or 1))
     raise DiffarError(f"unknown method {name!r}; choose dd2-N (N sampling steps), dd2-NxK (the AR model's pick of "
                       f"K N-step samples), dd2-NxK-self (the decoder's own pick) or {', '.join(DD2_METHODS)}")
 
