@@ -149,14 +149,10 @@ def test_energy_of_a_one_hot_canvas_is_the_teachers_nll(eos_id):
     targets = canvas.clone()
     targets[0, 6:], targets[2, 3:] = EOS, EOS  # ends at <eos> (a continuation canvas has none: EOS is a token)
     logits = F.one_hot(targets, VOCAB).float() * 1e4
-    nll, count = 0.0, 0
-    for row, target in zip(rows, targets.tolist()):
-        prompt = row + [sep] if eos_id is not None else row
-        text = target[:target.index(EOS)] if eos_id is not None and EOS in target else target
-        lp = F.log_softmax(teacher(torch.tensor([prompt + text]))[0][0, len(prompt) - 1:-1], dim=-1)
-        nll -= float(lp.gather(1, torch.tensor(text)[:, None]).sum())
-        count += len(text)
-    assert float(model._energy(logits, source, mask, targets)) == pytest.approx(nll / count, rel=1e-4)
+    prompts = [row + [sep] if eos_id is not None else row for row in rows]
+    texts = [t[:t.index(EOS)] if eos_id is not None and EOS in t else t for t in targets.tolist()]
+    nll = -float(log_likelihoods(teacher, prompts, texts).sum())
+    assert float(model._energy(logits, source, mask, targets)) == pytest.approx(nll / sum(map(len, texts)), rel=1e-4)
     # a softer canvas is scored by its expected embedding, and the gradient reaches its logits
     soft = (torch.randn(3, 9, VOCAB) * 3).requires_grad_()
     energy = teacher_energy(teacher, soft, source, mask.sum(1), torch.ones(3, 9, dtype=torch.bool))
