@@ -212,7 +212,8 @@ def _dd2_start(args, prediction: str):
     if args.canvas_len and vqvae is not None:  # a layout choice: the same autoencoder reads canvases of any length
         vqvae.config = replace(vqvae.config, target_len=args.canvas_len)
     overrides = {k: getattr(args, k) for k in ("schedule", "cond_drop", "mse_weight", "ce_weight", "bleu_weight",
-                                               "semantic_weight", "energy_weight", "refine_prob")
+                                               "semantic_weight", "energy_weight", "refine_prob",
+                                               "full_noise_prob")
                  if getattr(args, k, None) is not None}
     overrides["prediction"] = prediction
     if encoder is not None:
@@ -264,7 +265,7 @@ def cmd_distill_dd2(args) -> None:
     import torch
 
     from diffar.checkpoint import load_ar
-    from diffar.data.batching import canvas_examples
+    from diffar.data.batching import ar_prompt, canvas_examples
     from diffar.data.corpora import load_corpus
     from diffar.training.distill import teacher_outputs
 
@@ -281,7 +282,7 @@ def cmd_distill_dd2(args) -> None:
     seq2seq = corpus.task == "seq2seq"
     if cfg.energy_weight:
         model.set_energy_model(teacher, tokenizer.sep_id if seq2seq else None)
-    prompts = [src + [tokenizer.sep_id] if seq2seq else src for src, _ in pairs]
+    prompts = [ar_prompt(tokenizer, corpus.task, src) for src, _ in pairs]
     budgets = [vq.width(len(src)) - 1 if seq2seq else vq.target_len for src, _ in pairs]
     outputs = teacher_outputs(teacher, prompts, budgets, Path(args.out) / "teacher.jsonl", pad_id=tokenizer.pad_id,
                               eos_id=tokenizer.eos_id if seq2seq else None, batch_size=args.teacher_batch_size)
@@ -693,6 +694,9 @@ def build_parser() -> argparse.ArgumentParser:
     dd.add_argument("--refine-prob", type=float,
                     help="share of the t < 1 examples noised from the model's own one-step draft, so that "
                          "few-step sampling refines drafts (default 0)")
+    dd.add_argument("--full-noise-prob", type=float,
+                    help="share of examples at t = 1, where one-step sampling starts (default 0.75); the energy "
+                         "scores only these")
     _add_dd2_flags(dd, corpora)
     dd.set_defaults(func=cmd_distill_dd2)
 

@@ -560,7 +560,7 @@ def tiny_dd2(tiny_vqvae, tiny_run, tmp_path_factory):
     assert stage2.returncode == 0, stage2.stderr
     distill = run_cli("distill", "dd2", "--teacher", tiny_run, "--init", runs / "eps", "--corpus", "kjv2web",
                       "--teacher-examples", "24", "--bleu-weight", "0.5", "--semantic-weight", "0.5",
-                      "--energy-weight", "0.5",
+                      "--energy-weight", "0.5", "--full-noise-prob", "0.9",
                       "--out", runs / "x0", "--max-steps", "4", *TINY_TRAIN)
     assert distill.returncode == 0, distill.stderr
     return runs
@@ -571,7 +571,7 @@ def test_cli_pipeline(tiny_dd2, tiny_vqvae, tiny_run):
     x0, _, meta2 = load_checkpoint(tiny_dd2 / "x0")
     vq, _, _ = load_checkpoint(tiny_vqvae)
     assert (meta["kind"], eps.config.prediction, x0.config.prediction) == ("dd2", "eps", "x0")
-    assert x0.config.eos_id is not None and x0.config.bleu_weight == 0.5
+    assert x0.config.eos_id is not None and (x0.config.bleu_weight, x0.config.full_noise_prob) == (0.5, 0.9)
     for a, b in zip(x0.vqvae.state_dict().values(), vq.state_dict().values()):
         assert torch.equal(a, b)  # the autoencoder rides along unchanged
     teacher = [json.loads(line) for line in (tiny_dd2 / "x0" / "teacher.jsonl").read_text().splitlines()]

@@ -93,7 +93,11 @@ def build_dataset(corpus: Corpus, tokenizer: Tokenizer, block_size: int) -> Wind
 
 def prompt_ids(tokenizer: Tokenizer, task: str, text: str) -> list[int]:
     """The token ids a model of `task` is prompted with: the source plus <sep> for seq2seq."""
-    ids = tokenizer.encode(text)
+    return ar_prompt(tokenizer, task, tokenizer.encode(text))
+
+
+def ar_prompt(tokenizer: Tokenizer, task: str, ids: list[int]) -> list[int]:
+    """What an AR model of `task` reads before its output: the source ids plus <sep> for seq2seq."""
     return ids + [tokenizer.sep_id] if task == "seq2seq" else ids
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from diffar.data.batching import prompt_ids
+from diffar.data.batching import ar_prompt, prompt_ids
 from diffar.decoding.ar import generate
 from diffar.decoding.dd2 import DD2Sampling, best_of_generate, dd2_generate
 from diffar.decoding.refusion import refusion_generate
@@ -94,7 +94,7 @@ class DD2Method:
 
     def judge_prompt(self, ids: list[int]) -> list[int]:
         """What the judge reads before a sample: the source the generator reads, plus <sep> for seq2seq."""
-        return ids + [self.tokenizer.sep_id] if self.task == "seq2seq" else ids
+        return ar_prompt(self.tokenizer, self.task, ids)
 
     def judge_room(self, ids: list[int]) -> int:
         """The most tokens a sample may have for the judge to score it after `judge_prompt(ids)` (its <eos>
