@@ -198,13 +198,22 @@ def _dd2_start(args, prediction: str):
         tokenizer = vq_tokenizer
     if init is None and vqvae is None:
         raise DiffarError("pass --vqvae CHECKPOINT (diffar train vqvae) or --init DD2_CHECKPOINT")
+    if init is not None and args.schedule and args.schedule != init.config.schedule:
+        raise DiffarError(f"--init {args.init} was trained on the {init.config.schedule} noise schedule; "
+                          f"--schedule cannot change it")
+    if init is not None and (init.config.prediction, prediction) == ("x0", "eps"):
+        raise DiffarError(f"--init {args.init} is a distilled (x0) generator; continue it with diffar distill dd2")
+    task = load_corpus(args.corpus, "train").task
+    trained_on = init and ("seq2seq" if init.config.eos_id is not None else "continuation")
+    if init is not None and trained_on != task:
+        raise DiffarError(f"--init {args.init} was trained on {trained_on} data; --corpus {args.corpus} is a {task} one")
     encoder = None
     if args.source_encoder:
         encoder = load_ar(args.source_encoder, tokenizer, "--source-encoder")
         if init is not None and init.source_encoder is not None and not same_weights(init.source_encoder, encoder):
             raise DiffarError(f"--init {args.init} does not read its source through --source-encoder "
                               f"{args.source_encoder}; an --init model keeps its own")
-    if args.canvas_len and load_corpus(args.corpus, "train").task != "continuation":
+    if args.canvas_len and task != "continuation":
         raise DiffarError("--canvas-len applies to continuation corpora (a seq2seq canvas is sized by its source)")
     if args.canvas_len and init is not None and args.canvas_len != init.config.vqvae.target_len:
         raise DiffarError(f"--init {args.init} samples canvases of {init.config.vqvae.target_len} tokens; "
@@ -273,10 +282,12 @@ def cmd_distill_dd2(args) -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model, cfg, tokenizer = _dd2_start(args, "x0")
-    teacher = load_ar(args.teacher, tokenizer, "--teacher")
     corpus = load_corpus(args.corpus, "train")
+    teacher = load_ar(args.teacher, tokenizer, "--teacher", task=corpus.task)
     vq = cfg.vqvae
-    pairs = canvas_examples(corpus, tokenizer, vq.prompt_len, vq.target_len, stride=vq.prompt_len)
+    pairs = [(src, tgt) for src, tgt in canvas_examples(corpus, tokenizer, vq.prompt_len, vq.target_len,
+                                                         stride=vq.prompt_len)
+             if len(src) <= cfg.max_source_len]  # longer sources are left out of training: no teacher work for them
     if args.teacher_examples and args.teacher_examples < len(pairs):  # spread evenly: the subset spans the corpus
         pairs = [pairs[i * len(pairs) // args.teacher_examples] for i in range(args.teacher_examples)]
     seq2seq = corpus.task == "seq2seq"

@@ -91,6 +91,16 @@ def tiny_run(tokenizer_path, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_shakespeare_run(tokenizer_path, tmp_path_factory):
+    """A `tiny` continuation model trained for 2 steps through the CLI (a run folder)."""
+    out = tmp_path_factory.mktemp("runs") / "tiny-shakespeare"
+    proc = run_cli("train", "ar", "--corpus", "shakespeare", "--tokenizer", tokenizer_path, "--out", out,
+                   "--max-steps", "2", "--block-size", "128", *TINY_TRAIN)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -662,16 +662,25 @@ def test_cli_bad_input(tiny_dd2, tiny_vqvae, tiny_run, tokenizer_path, tmp_path)
     assert_clean_error(run_cli("distill", "dd2", "--teacher", tiny_dd2 / "x0", "--init", tiny_dd2 / "eps",
                                "--corpus", "kjv2web", "--out", tmp_path / "z", *TINY_TRAIN),
                        "; it must be an AR or ReFusion one")
+    # an --init model keeps its schedule, its prediction and its task
+    assert_clean_error(run_cli("train", "dd2", "--init", tiny_dd2 / "eps", "--schedule", "linear", "--corpus",
+                               "kjv2web", "--out", tmp_path / "s", *TINY_TRAIN), "--schedule cannot change it")
+    assert_clean_error(run_cli("train", "dd2", "--init", tiny_dd2 / "x0", "--corpus", "kjv2web", "--out",
+                               tmp_path / "p", *TINY_TRAIN), "continue it with diffar distill dd2")
+    assert_clean_error(run_cli("train", "dd2", "--init", tiny_dd2 / "eps", "--corpus", "shakespeare", "--out",
+                               tmp_path / "t", *TINY_TRAIN), "trained on seq2seq data")
+    assert_clean_error(run_cli("distill", "dd2", "--teacher", tiny_run, "--vqvae", tiny_vqvae, "--corpus",
+                               "shakespeare", "--out", tmp_path / "u", *TINY_TRAIN), "is a seq2seq model")
     assert_clean_error(run_cli("bench", "dd2", "--checkpoint", tiny_run, "--out", tmp_path / "b.json"),
                        "bench dd2 needs a DD2 one")
     assert_clean_error(run_cli("bench", "dd2", "--checkpoint", tiny_dd2 / "x0", "--ar", tiny_run, "--methods", "dd2-0",
                                "--out", tmp_path / "b.json"), "unknown method 'dd2-0'")
 
 
-def test_cli_canvas_len(tiny_vqvae, tiny_run, tmp_path):
+def test_cli_canvas_len(tiny_vqvae, tiny_shakespeare_run, tmp_path):
     """--canvas-len sets a continuation model's canvas (on the same autoencoder): the teacher writes that many
     tokens per example, and longer outputs come canvas after canvas. On a seq2seq corpus it is an error."""
-    args = ("distill", "dd2", "--teacher", tiny_run, "--vqvae", tiny_vqvae, "--canvas-len", "16",
+    args = ("distill", "dd2", "--teacher", tiny_shakespeare_run, "--vqvae", tiny_vqvae, "--canvas-len", "16",
             "--teacher-examples", "8", "--max-steps", "2", *TINY_TRAIN)
     proc = run_cli(*args, "--corpus", "shakespeare", "--out", tmp_path / "c16")
     assert proc.returncode == 0, proc.stderr
@@ -686,12 +695,12 @@ def test_cli_canvas_len(tiny_vqvae, tiny_run, tmp_path):
     assert_clean_error(run_cli(*args, "--corpus", "kjv2web", "--out", tmp_path / "k"), "applies to continuation")
 
 
-def test_cli_source_encoder(tiny_vqvae, tiny_run, tiny_dd2, tokenizer_path, tmp_path):
+def test_cli_source_encoder(tiny_vqvae, tiny_run, tiny_shakespeare_run, tiny_dd2, tmp_path):
     """--source-encoder puts a frozen copy of an AR model in the DD2 checkpoint to read the source; a run
     continued from it keeps it, an --init model without one gains it (starting out unchanged), and
     checkpoints that are not AR models, or another encoder than an --init model's own, are clear errors.
     Its continuation is benched against a continuation AR model; a seq2seq one is a clear error."""
-    args = ("distill", "dd2", "--teacher", tiny_run, "--corpus", "shakespeare", "--teacher-examples", "8",
+    args = ("distill", "dd2", "--teacher", tiny_shakespeare_run, "--corpus", "shakespeare", "--teacher-examples", "8",
             "--max-steps", "2", *TINY_TRAIN)
     proc = run_cli(*args, "--vqvae", tiny_vqvae, "--source-encoder", tiny_run, "--canvas-len", "16",
                    "--out", tmp_path / "enc")
@@ -703,9 +712,6 @@ def test_cli_source_encoder(tiny_vqvae, tiny_run, tiny_dd2, tokenizer_path, tmp_
     gen = run_cli("generate", "--checkpoint", tmp_path / "enc", "--prompt", "To be, or not to be",
                   "--max-new-tokens", "20")
     assert gen.returncode == 0 and "20 tokens in" in gen.stdout + gen.stderr, gen.stderr
-    ar = run_cli("train", "ar", "--corpus", "shakespeare", "--tokenizer", tokenizer_path, "--out", tmp_path / "ar",
-                 "--max-steps", "2", "--block-size", "128", *TINY_TRAIN)
-    assert ar.returncode == 0, ar.stderr
     bench_args = ("bench", "dd2", "--checkpoint", tmp_path / "enc", "--prompts", "2", "--new-tokens", "20",
                   "--batch-sizes", "1", "--methods", "ar", "dd2-1", "--split", "valid",
                   "--out", tmp_path / "bench.json")
@@ -713,7 +719,7 @@ def test_cli_source_encoder(tiny_vqvae, tiny_run, tiny_dd2, tokenizer_path, tmp_
                                                               "continuation one")
     assert_clean_error(run_cli("generate", "--checkpoint", tmp_path / "enc", "--hybrid", tiny_run, "--prompt", "To"),
                        "is a seq2seq model")
-    bench = run_cli(*bench_args, "--ar", tmp_path / "ar")
+    bench = run_cli(*bench_args, "--ar", tiny_shakespeare_run)
     assert bench.returncode == 0, bench.stderr
     for r in json.loads((tmp_path / "bench.json").read_text()):  # continuation: 20 tokens each, scored by AR
         assert r["new_tokens"] == 20 and r["extra"]["ar_perplexity"] > 1 and 0 <= r["extra"]["seq_rep4"] <= 100

@@ -4,10 +4,12 @@ output per source instead of the spread of human references (the standard recipe
 translation, and of DD1/DD2's one-step generators).
 
 Outputs are appended to a JSONL cache in the run folder as they are made, so an interrupted run resumes
-where it stopped and a finished one is reused."""
+where it stopped and a finished one is reused. Each line carries a key of the prompt and budget it was made
+for, so a cache made for other data (another corpus, subset or canvas layout) is refused, not reused."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -22,28 +24,37 @@ from diffar.models.transformer import Transformer
 def teacher_outputs(teacher: Transformer, prompts: list[list[int]], budgets: list[int], cache: Path, *,
                     pad_id: int, eos_id: int | None, batch_size: int = 32) -> list[list[int]]:
     """Greedy teacher continuation of every prompt (at most budgets[i] tokens, ending at eos_id), cached."""
+    keys = [_key(p, b) for p, b in zip(prompts, budgets)]
     done: dict[int, list[int]] = {}
     if cache.exists():
         for line in cache.read_text().splitlines():
             try:
                 record = json.loads(line)
-                done[int(record["i"])] = [int(x) for x in record["out"]]
+                i, out = int(record["i"]), [int(x) for x in record["out"]]
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut short by an interruption: made again below
-    if any(i >= len(prompts) for i in done):
-        raise DiffarError(f"{cache} holds teacher outputs for other data; remove it or choose another --out")
+            if i >= len(prompts) or record.get("key", keys[i]) != keys[i]:  # caches made before the keys pass
+                raise DiffarError(f"{cache} holds teacher outputs for other data; remove it or choose another --out")
+            done[i] = out
     todo = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: len(prompts[i]))
     cache.parent.mkdir(parents=True, exist_ok=True)
     with open(cache, "a") as f, tqdm(total=len(prompts), initial=len(done), desc="teacher", dynamic_ncols=True) as bar:
+        if f.tell() and not cache.read_text().endswith("\n"):
+            f.write("\n")  # end a line cut short by an interruption, so the next record starts a line of its own
         for start in range(0, len(todo), batch_size):
             rows = todo[start:start + batch_size]
             result = generate(teacher, [prompts[i] for i in rows], max(budgets[i] for i in rows), pad_id=pad_id,
                               eos_id=eos_id)
             for i, out in zip(rows, result.tokens):
                 done[i] = out[:budgets[i]]
-                f.write(json.dumps({"i": i, "out": done[i]}) + "\n")
+                f.write(json.dumps({"i": i, "key": keys[i], "out": done[i]}) + "\n")
             f.flush()
             os.fsync(f.fileno())
             bar.update(len(rows))
     return [done[i] for i in range(len(prompts))]
 
+
+
+def _key(prompt: list[int], budget: int) -> str:
+    """A short fingerprint of one teacher request."""
+    return hashlib.sha1(json.dumps([prompt, budget]).encode()).hexdigest()[:16]
