@@ -421,6 +421,9 @@ def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
     sampling = DD2Sampling.from_preset(args.preset, **knobs) if args.preset else \
         DD2Sampling(**{k: v for k, v in {**knobs, "steps": 1 if args.steps is None else args.steps}.items()
                        if v is not None})
+    if args.tau is not None and args.tau_min is None and sampling.steps_for(0) == 1:
+        raise DiffarError("a one-step sample is read out at t = 1, where tau(t) = max(tau_min, tau * (1 - t)) is "
+                          "tau_min: --tau needs more --steps; pass --tau-min to sample the one-step read-out")
     ids = tokenizer.encode(text)
     source = ids[-model.config.vqvae.prompt_len:] if meta["task"] == "continuation" else ids
     if meta["task"] == "seq2seq" and len(ids) > model.config.max_source_len:
@@ -447,7 +450,7 @@ def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
         f", best of {args.best_of} by the {'AR judge' if args.judge else 'decoder'}" if args.best_of else "")
     print(f"[{label}] {n} tokens in {result.seconds:.3f} s = {n / result.seconds:.1f} tokens/s | "
           f"{result.forward_passes} forward passes ({n / result.forward_passes:.2f} tokens/pass), "
-          f"{result.decoder_passes} decoder passes | guidance {sampling.guidance_scale}, tau {sampling.tau_max} | "
+          f"{result.decoder_passes} decoder passes | guidance {sampling.guidance_scale}, tau {result.tau:.3g} | "
           f"prompt {len(source)} tokens | batch 1 | {args.dtype}", file=sys.stderr)
 
 

@@ -597,8 +597,9 @@ def test_cli_resume_keeps_the_latent_scale(tiny_vqvae, tmp_path):
 
 
 @pytest.mark.parametrize("flags, label", [((), "dd2 1-step ddim"), (("--steps", "3", "--guidance", "2"), "3-step"),
-                                          (("--preset", "speed"), "30-step"), (("--adaptive-steps",), "-step"),
+                                          (("--preset", "speed"), "guidance 1.5, tau 0.677"), (("--adaptive-steps",), "-step"),
                                           (("--steps", "2", "--sampler", "ddpm", "--tau", "0.5"), "2-step ddpm"),
+                                          (("--steps", "2", "--tau", "0.5"), "tau 0.25 |"),  # tau(t) of the last step
                                           (("--dtype", "bf16"), "batch 1 | bf16")])
 def test_cli_generate(tiny_dd2, flags, label):
     proc = run_cli("generate", "--checkpoint", tiny_dd2 / "x0", "--prompt", "In the beginning", *flags)
@@ -642,6 +643,7 @@ def test_cli_bad_input(tiny_dd2, tiny_vqvae, tiny_run, tokenizer_path, tmp_path)
     assert_clean_error(run_cli(*args, "--guidance", "-1"), "guidance scale must be >= 0")
     assert_clean_error(run_cli(*args, "--preset", "fast"), "invalid choice")
     assert_clean_error(run_cli(*args, "--temperature", "0.5"), "--tau")
+    assert_clean_error(run_cli(*args, "--tau", "0.5"), "--tau needs more --steps")
     assert_clean_error(run_cli(*args, "--judge", tiny_run), "pass --best-of too")
     assert_clean_error(run_cli(*args, "--best-of", "4", "--judge", tiny_run, "--hybrid", tiny_run), "do not combine")
     assert_clean_error(run_cli(*args, "--best-of", "0", "--judge", tiny_run), "positive")

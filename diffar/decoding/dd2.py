@@ -88,6 +88,7 @@ class DD2Result:
     # per row, the mean log-probability the decoder gave the tokens it read out: the text, and for seq2seq
     # the end it marked (of the DD2 sample alone, in hybrid sampling)
     confidence: list[float] = field(default_factory=list)
+    tau: float = 0.0  # the temperature the tokens were read out at: tau(t) of the last step (one step: tau_min)
 
     @property
     def new_tokens(self) -> int:
@@ -173,7 +174,7 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
         log_prob = [lp + c * len(new) for lp, c, new in zip(log_prob, part.confidence, part.tokens)]
         passes, decoder_passes = passes + part.forward_passes, decoder_passes + part.decoder_passes
     return DD2Result(tokens, time.perf_counter() - t0, part.steps, passes, decoder_passes, list(map(len, sources)),
-                     [lp / len(t) for lp, t in zip(log_prob, tokens)])
+                     [lp / len(t) for lp, t in zip(log_prob, tokens)], part.tau)
 
 
 def _sample(model: DD2Model, sources: list[list[int]], max_new: int, sampling: DD2Sampling, eos_id: int | None,
@@ -213,7 +214,8 @@ def _sample(model: DD2Model, sources: list[list[int]], max_new: int, sampling: D
         z = scheduler.step(out, t, z, generator)
     logits = model.decode(z.to(dtype), canvas_mask)
     logits = logits if pins is None else pins.guard(logits)
-    ids = read_tokens(logits, sampling.tau(last_t), generator)
+    tau = sampling.tau(last_t)
+    ids = read_tokens(logits, tau, generator)
     ids = ids if pins is None else pins.write(ids)
     tokens = _rows(ids, widths, eos_id, pad_id, max_new)
     decoder_passes += 1
@@ -223,7 +225,7 @@ def _sample(model: DD2Model, sources: list[list[int]], max_new: int, sampling: D
     ended = [eos_id is not None and len(t) < min(max_new, w) for t, w in zip(tokens, widths.tolist())]
     confidence = [float(row[:len(t) + end].mean()) for row, t, end in zip(log_probs, tokens, ended)]
     return DD2Result(tokens, time.perf_counter() - t0, steps, passes, decoder_passes, list(map(len, sources)),
-                     confidence)
+                     confidence, tau)
 
 
 def _rows(ids: torch.Tensor, widths: torch.Tensor, eos_id: int | None, pad_id: int,

@@ -225,20 +225,22 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
                 return dd2_generate(model, [sources[i] for i in rows], n, **decode)
 
             run(batches[0], 8)  # warm-up
-            outs, seconds, passes, steps = [], 0.0, 0, []
+            outs, seconds, passes, steps, taus = [], 0.0, 0, [], []
             for rows in batches:
                 budget = min(2 * max(len(prompts[i]) for i in rows) + 16, new_tokens) if seq2seq else new_tokens
                 r = run(rows, budget)
                 outs += r.tokens
                 seconds, passes = seconds + r.seconds, passes + r.forward_passes
                 steps.append(getattr(r, "steps", None))
+                taus.append(round(r.tau, 4) if hasattr(r, "tau") else None)
             new = sum(map(len, outs))
             quality = text_metrics([tokenizer.decode(o).strip() for o in outs], references)
             extra = {"split": split, "prompts": len(prompts), "steps": steps[0] if len(set(steps)) == 1 else "adaptive",
                      "best_of": sampling.best_of if sampling else None,
                      "judge": ("decoder" if judge is None else "ar") if sampling and sampling.best_of > 1 else None,
                      "guidance_scale": sampling.guidance_scale if sampling else None,
-                     "tau_max": sampling.tau_max if sampling else None, **quality}
+                     "tau_max": sampling.tau_max if sampling else None,
+                     "tau": taus[0] if len(set(taus)) == 1 else "adaptive", **quality}
             if not seq2seq:
                 extra["ar_perplexity"] = round(conditional_perplexity(ar, [prompts[i] for i in range(len(outs))],
                                                                       outs), 2)
