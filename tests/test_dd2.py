@@ -455,6 +455,22 @@ def test_hybrid_is_one_step_prefix_then_ar_continuation():
     assert hybrid.forward_passes == one.forward_passes + rest.forward_passes
 
 
+def test_hybrid_continues_the_seq2seq_texts_that_did_not_end():
+    """A seq2seq canvas that filled its width without marking an end (<eos> or <pad>) is cut text: AR
+    continues it, even when the canvas is narrower than the prefix. A text that ended is done."""
+    model, ar = random_dd2(eos_id=EOS), random_model(1)
+    src = sources(6)
+    prompts = [s + [3] for s in src]
+    hybrid = hybrid_generate(model, ar, src, prompts, 30, prefix=50, eos_id=EOS,
+                             generator=torch.Generator().manual_seed(0))
+    one = dd2_generate(model, src, 30, eos_id=EOS, generator=torch.Generator().manual_seed(0))
+    assert any(one.ended) and not all(one.ended)
+    for i, (prompt, toks) in enumerate(zip(prompts, one.tokens)):
+        assert one.ended[i] == (len(toks) < model.config.canvas_width(len(src[i])))
+        rest = [] if one.ended[i] else generate(ar, [prompt + toks], 30 - len(toks), pad_id=0, eos_id=EOS).tokens[0]
+        assert hybrid.tokens[i] == toks + rest
+
+
 @pytest.mark.parametrize("prediction", ["x0", "eps"])
 def test_bf16_network_samples_like_fp32(prediction):
     """A bf16 network samples what its fp32 original does, but for rounding, at 1 step and at 100: the sample
@@ -483,7 +499,9 @@ def test_best_of_keeps_the_judges_likeliest_sample(eos_id):
     samples = dd2_generate(model, [s for s in src for _ in range(n)], 12, eos_id=eos_id,
                            generator=torch.Generator().manual_seed(5)).tokens
     assert any(len(set(map(tuple, samples[i * n:i * n + n]))) > 1 for i in range(len(src)))  # a choice to make
-    scored = [t + [EOS] if eos_id is not None and len(t) < 12 else t for t in samples]  # an ended text's <eos>
+    widths = [min(12, model.config.canvas_width(len(s))) for s in src for _ in range(n)]
+    scored = [t + [EOS] if eos_id is not None and len(t) < w else t  # a text that marked its end: with its <eos>
+              for t, w in zip(samples, widths)]
     for i, prompt in enumerate(prompts):
         mine, texts = samples[i * n:i * n + n], scored[i * n:i * n + n]
         scores = log_likelihoods(judge, [prompt] * n, texts) / torch.tensor(list(map(len, texts)))

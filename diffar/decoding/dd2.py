@@ -89,6 +89,8 @@ class DD2Result:
     # the end it marked (of the DD2 sample alone, in hybrid sampling)
     confidence: list[float] = field(default_factory=list)
     tau: float = 0.0  # the temperature the tokens were read out at: tau(t) of the last step (one step: tau_min)
+    # per row, whether a seq2seq canvas marked the text's end (<eos> or <pad>) within its width and the budget
+    ended: list[bool] = field(default_factory=list)
 
     @property
     def new_tokens(self) -> int:
@@ -174,7 +176,7 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
         log_prob = [lp + c * len(new) for lp, c, new in zip(log_prob, part.confidence, part.tokens)]
         passes, decoder_passes = passes + part.forward_passes, decoder_passes + part.decoder_passes
     return DD2Result(tokens, time.perf_counter() - t0, part.steps, passes, decoder_passes, list(map(len, sources)),
-                     [lp / len(t) for lp, t in zip(log_prob, tokens)], part.tau)
+                     [lp / len(t) for lp, t in zip(log_prob, tokens)], part.tau, [False] * len(sources))
 
 
 def _sample(model: DD2Model, sources: list[list[int]], max_new: int, sampling: DD2Sampling, eos_id: int | None,
@@ -225,7 +227,7 @@ def _sample(model: DD2Model, sources: list[list[int]], max_new: int, sampling: D
     ended = [eos_id is not None and len(t) < min(max_new, w) for t, w in zip(tokens, widths.tolist())]
     confidence = [float(row[:len(t) + end].mean()) for row, t, end in zip(log_probs, tokens, ended)]
     return DD2Result(tokens, time.perf_counter() - t0, steps, passes, decoder_passes, list(map(len, sources)),
-                     confidence, tau)
+                     confidence, tau, ended)
 
 
 def _rows(ids: torch.Tensor, widths: torch.Tensor, eos_id: int | None, pad_id: int,
@@ -248,13 +250,12 @@ def hybrid_generate(model: DD2Model, ar: Transformer, sources: list[list[int]], 
                     generator: torch.Generator | None = None) -> DD2Result:
     """One DD2 sample for the first (up to) `prefix` tokens, then greedy AR continues each row from its
     prompt plus that prefix (one prefill pass fills the KV cache) up to `max_new` tokens. Rows whose one-step
-    text ended within the prefix are done. `prompts` are the AR model's prompts (seq2seq: source + <sep>)."""
+    text ended (`DD2Result.ended`) are done. `prompts` are the AR model's prompts (seq2seq: source + <sep>)."""
     one = dd2_generate(model, sources, min(prefix, max_new), sampling=sampling, eos_id=eos_id, pad_id=pad_id,
                        generator=generator)
-    ended = [eos_id is not None and len(toks) < prefix for toks in one.tokens]
     tokens = [list(toks) for toks in one.tokens]
     seconds, ar_passes = one.seconds, 0
-    todo = [i for i, done in enumerate(ended) if not done and len(tokens[i]) < max_new]
+    todo = [i for i, done in enumerate(one.ended) if not done and len(tokens[i]) < max_new]
     if todo:
         budget = max_new - min(len(tokens[i]) for i in todo)
         rest = generate(ar, [prompts[i] + tokens[i] for i in todo], budget, pad_id=pad_id, eos_id=eos_id)
@@ -271,8 +272,8 @@ def best_of_generate(model: DD2Model, judge: Transformer | None, sources: list[l
     """`sampling.best_of` (n) samples per source from independent noise, all in one batched `dd2_generate`
     call, of which each row keeps the likeliest. With `judge` (an AR model), likeliest means the highest
     mean log-probability per token under the judge, which scores every distinct sample after its prompt in
-    one teacher-forced pass (the <eos> of a seq2seq text that ended within `max_new` counted, so it weighs
-    where the text ends too): the noisy parallel decoding of non-autoregressive translation (Gu et al. 2018,
+    one teacher-forced pass (the <eos> of a seq2seq text that marked its end counted, so it weighs where the
+    text ends too): the noisy parallel decoding of non-autoregressive translation (Gu et al. 2018,
     arXiv 1711.02281) and OpenAI's `best_of`. Without one, the generator's own decoder judges, by its
     `confidence` in what it read out: no extra pass, but a weaker judge. `prompts` are the judge's prompts
     (seq2seq: source + <sep>); `fixed` pins as in `dd2_generate`. With n = 1 there is nothing to choose."""
@@ -285,8 +286,8 @@ def best_of_generate(model: DD2Model, judge: Transformer | None, sources: list[l
     t0 = time.perf_counter()
     score, passes = out.confidence, out.forward_passes
     if judge is not None:
-        ended = [eos_id] if eos_id is not None else []  # a seq2seq text that ended is scored with its <eos>
-        samples = [(i, tuple(t + ended if len(t) < max_new else t)) for i, t in zip(rows, out.tokens)]
+        samples = [(i, tuple(t + [eos_id] if end else t))  # a text that ended is scored with its <eos>
+                   for i, t, end in zip(rows, out.tokens, out.ended)]
         unique = list(dict.fromkeys(samples))  # one-step samples often agree: each distinct one is scored once
         scores = log_likelihoods(judge, [prompts[i] for i, _ in unique], [list(t) for _, t in unique], pad_id)
         mean = dict(zip(unique, (scores / torch.tensor([max(1, len(t)) for _, t in unique])).tolist()))
