@@ -206,7 +206,8 @@ def _dd2_start(args, prediction: str):
     task = load_corpus(args.corpus, "train").task
     trained_on = init and ("seq2seq" if init.config.eos_id is not None else "continuation")
     if init is not None and trained_on != task:
-        raise DiffarError(f"--init {args.init} was trained on {trained_on} data; --corpus {args.corpus} is a {task} one")
+        raise DiffarError(f"--init {args.init} was trained on {trained_on} data; --corpus {args.corpus} is a "
+                          f"{task} one")
     encoder = None
     if args.source_encoder:
         encoder = load_ar(args.source_encoder, tokenizer, "--source-encoder")
@@ -412,8 +413,8 @@ def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
     if args.temperature or args.top_k or args.top_p != 1.0 or args.draft or args.prompt_lookup or args.no_cache:
         raise DiffarError("dd2 samples with --tau (decoding temperature); --temperature, --top-k, --top-p, "
                           "--draft, --prompt-lookup and --no-cache are AR options")
-    if args.judge and not args.best_of:
-        raise DiffarError("--judge picks one of --best-of N samples; pass --best-of too")
+    if args.judge and (args.best_of or 1) == 1:
+        raise DiffarError("--judge picks one of --best-of N samples; pass --best-of N (N >= 2) too")
     if args.best_of and args.hybrid:
         raise DiffarError("--best-of and --hybrid do not combine; choose one")
     knobs = dict(steps=args.steps, adaptive=args.adaptive_steps or None, guidance_scale=args.guidance,
@@ -446,7 +447,8 @@ def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
         sys.stdout.write(text)
     print(tokenizer.decode(result.tokens[0]))
     n = result.new_tokens
-    label = "dd2-hybrid" if args.hybrid else f"dd2 {result.steps}-step {sampling.sampler}" + (
+    label = f"dd2-hybrid, {result.steps}-step prefix" if args.hybrid else \
+        f"dd2 {result.steps}-step {sampling.sampler}" + (
         f", best of {args.best_of} by the {'AR judge' if args.judge else 'decoder'}" if args.best_of else "")
     print(f"[{label}] {n} tokens in {result.seconds:.3f} s = {n / result.seconds:.1f} tokens/s | "
           f"{result.forward_passes} forward passes ({n / result.forward_passes:.2f} tokens/pass), "
@@ -744,7 +746,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tau-min", type=float, help="dd2: the temperature floor tau_min")
     g.add_argument("--sampler", choices=["ddim", "ddpm"], help="dd2: the scheduler (default ddim)")
     g.add_argument("--hybrid", metavar="AR_CHECKPOINT",
-                   help="dd2: one step for the first 50 tokens, then this AR model continues with its KV cache")
+                   help="dd2: sample the first 50 tokens (one step unless --steps/--preset say more), then this AR "
+                        "model continues with its KV cache")
     g.add_argument("--best-of", type=_positive_int, metavar="N",
                    help="dd2: sample N texts from independent noise and keep the likeliest (by the decoder's own "
                         "confidence, or by --judge)")

@@ -615,7 +615,8 @@ def test_cli_resume_keeps_the_latent_scale(tiny_vqvae, tmp_path):
 
 
 @pytest.mark.parametrize("flags, label", [((), "dd2 1-step ddim"), (("--steps", "3", "--guidance", "2"), "3-step"),
-                                          (("--preset", "speed"), "guidance 1.5, tau 0.677"), (("--adaptive-steps",), "-step"),
+                                          (("--preset", "speed"), "guidance 1.5, tau 0.677"),
+                                          (("--adaptive-steps",), "-step"),
                                           (("--steps", "2", "--sampler", "ddpm", "--tau", "0.5"), "2-step ddpm"),
                                           (("--steps", "2", "--tau", "0.5"), "tau 0.25 |"),  # tau(t) of the last step
                                           (("--dtype", "bf16"), "batch 1 | bf16")])
@@ -627,7 +628,7 @@ def test_cli_generate(tiny_dd2, flags, label):
 
 def test_cli_hybrid_and_bench(tiny_dd2, tiny_run, tmp_path):
     proc = run_cli("generate", "--checkpoint", tiny_dd2 / "x0", "--hybrid", tiny_run, "--prompt", "In the beginning")
-    assert proc.returncode == 0 and "[dd2-hybrid]" in proc.stderr, proc.stderr
+    assert proc.returncode == 0 and "[dd2-hybrid, 1-step prefix]" in proc.stderr, proc.stderr
     out = tmp_path / "bench.json"
     proc = run_cli("bench", "dd2", "--checkpoint", tiny_dd2 / "x0", "--ar", tiny_run, "--prompts", "4",
                    "--batch-sizes", "1", "2", "--methods", "ar", "dd2-1", "dd2-3", "dd2-hybrid", "--split", "valid",
@@ -662,7 +663,8 @@ def test_cli_bad_input(tiny_dd2, tiny_vqvae, tiny_run, tokenizer_path, tmp_path)
     assert_clean_error(run_cli(*args, "--preset", "fast"), "invalid choice")
     assert_clean_error(run_cli(*args, "--temperature", "0.5"), "--tau")
     assert_clean_error(run_cli(*args, "--tau", "0.5"), "--tau needs more --steps")
-    assert_clean_error(run_cli(*args, "--judge", tiny_run), "pass --best-of too")
+    assert_clean_error(run_cli(*args, "--judge", tiny_run), "pass --best-of N")
+    assert_clean_error(run_cli(*args, "--best-of", "1", "--judge", tiny_run), "pass --best-of N")
     assert_clean_error(run_cli(*args, "--best-of", "4", "--judge", tiny_run, "--hybrid", tiny_run), "do not combine")
     assert_clean_error(run_cli(*args, "--best-of", "0", "--judge", tiny_run), "positive")
     assert_clean_error(run_cli("bench", "dd2", "--checkpoint", tiny_dd2 / "x0", "--ar", tiny_run, "--methods",

@@ -98,11 +98,12 @@ class DD2Result:
 
 
 def read_tokens(logits: torch.Tensor, tau: float, generator: torch.Generator | None) -> torch.Tensor:
-    """Token ids from decoder logits (B, N, V) at temperature tau (0: argmax)."""
+    """Token ids from decoder logits (B, N, V) at temperature tau (0: argmax); drawn on the CPU, where the
+    callers' generators live, whatever the logits' device."""
     if tau == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / tau, dim=-1)
-    return torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(probs.shape[:-1])
+    probs = torch.softmax(logits.float() / tau, dim=-1).cpu()
+    return torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(probs.shape[:-1]).to(logits.device)
 
 
 class Pins:
@@ -141,12 +142,14 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
     """Sample a canvas per source and return its text, at most `max_new` tokens per row.
 
     seq2seq models (config.eos_id set) size each canvas by the source (`VQVAEConfig.width`; in a batch the
-    positions past a row's own width are masked out, so batching does not change a row) and end each row
-    at its first <eos> or <pad>; continuation models fill `target_len` positions, and sample longer outputs
-    canvas after canvas, each reading the last `prompt_len` tokens of the prompt and the text so far
-    (semi-autoregressive: one denoising run per canvas). `on_step(i, rows)` sees the tokens after denoising
-    step i (for streaming snapshots): the argmax of each intermediate prediction, so watching does not draw
-    from `generator` and the result is the same with or without it. `fixed[row]` pins output positions to
+    positions past a row's own width are masked out, so a row never reads its neighbours' canvases, but the
+    starting noise is one draw for the batch and adaptive steps follow its widest canvas, so a seeded sample
+    can differ between batch sizes) and end each row at its first <eos> or <pad>; continuation models fill
+    `target_len` positions, and sample longer outputs canvas after canvas, each reading the last `prompt_len`
+    tokens of the prompt and the text so far (semi-autoregressive: one denoising run per canvas).
+    `on_step(i, rows)` sees the tokens after denoising step i (for streaming snapshots): the argmax of each
+    intermediate prediction, so watching does not draw from `generator` and the result is the same with or
+    without it. `fixed[row]` pins output positions to
     tokens (see `Pins`); the output keeps them, and each pinned step costs one more decoder and encoder pass."""
     if max_new <= 0:
         raise DiffarError(f"max_new must be positive, got {max_new}")
@@ -206,7 +209,8 @@ def _sample(model: DD2Model, sources: list[list[int]], max_new: int, sampling: D
         passes += 1
         if pins is not None:
             ids = pins.write(pins.guard(model.decode(scheduler.x0_hat(out, t, z).to(dtype), canvas_mask)).argmax(-1))
-            out = torch.where(pins.rows, scheduler.output_for(model.latents(ids, canvas_mask).float(), t, z), out)
+            pinned = scheduler.output_for(model.latents(ids, canvas_mask).float(), t, z)
+            out = torch.where(pins.rows.to(device), pinned, out)
             decoder_passes += 1
         if on_step is not None and scheduler.next_time(t) > 0:
             logits = model.decode(scheduler.x0_hat(out, t, z).to(dtype), canvas_mask)

@@ -46,16 +46,15 @@ class Scheduler:
 
     def output_for(self, x0: torch.Tensor, t: float, z_t: torch.Tensor) -> torch.Tensor:
         """The network output that predicts `x0` from z_t (the inverse of `x0_hat`), e.g. after editing x0."""
-        if self.prediction == "x0":
-            return x0
-        a = self.alpha_bar(t, z_t)
-        return (z_t - a.sqrt() * x0) / (1 - a).sqrt()
+        return x0 if self.prediction == "x0" else self._implied_eps(x0, t, z_t)
 
     def eps_hat(self, model_output: torch.Tensor, t: float, z_t: torch.Tensor) -> torch.Tensor:
-        if self.prediction == "eps":
-            return model_output
+        return model_output if self.prediction == "eps" else self._implied_eps(model_output, t, z_t)
+
+    def _implied_eps(self, x0: torch.Tensor, t: float, z_t: torch.Tensor) -> torch.Tensor:
+        """The noise that takes x0 to z_t at time t."""
         a = self.alpha_bar(t, z_t)
-        return (z_t - a.sqrt() * model_output) / (1 - a).sqrt()
+        return (z_t - a.sqrt() * x0) / (1 - a).sqrt()
 
 
 class DDIMScheduler(Scheduler):
@@ -90,7 +89,7 @@ class DDPMScheduler(Scheduler):
         a_ts = a / a_next
         mean = (a_next.sqrt() * (1 - a_ts) * x0 + a_ts.sqrt() * (1 - a_next) * z_t) / (1 - a)
         var = (1 - a_next) / (1 - a) * (1 - a_ts)
-        noise = torch.randn(z_t.shape, generator=generator, dtype=z_t.dtype, device=z_t.device)
+        noise = torch.randn(z_t.shape, generator=generator, dtype=z_t.dtype).to(z_t.device)  # a CPU generator's draw
         return mean + var.sqrt() * noise
 
 

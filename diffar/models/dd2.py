@@ -3,14 +3,14 @@
     source tokens (S) ++ noised canvas latents z_t (N)  ->  bidirectional transformer  ->  eps or z0 (N)
 
 The denoiser reads the source as a prefix (its own token embeddings). With `source_encoder` set, a frozen AR
-model (the distillation teacher) reads the source too, and its final hidden states are added to the prefix:
-what the teacher expects to come next is then one linear read away, as a latent diffusion model reads its
-prompt through a frozen text encoder. For seq2seq, source and canvas positions both count from 0, so RoPE
-sees how far a canvas slot is from a source token: monotone alignment comes cheap. A continuation canvas
-continues its source: its first slot takes the position after the last source token, so the nearest text in
-RoPE's terms is the text the canvas goes on from. The autoencoder (`TextVQVAE`) rides along frozen inside
-the checkpoint (as does the source encoder): it makes z0 from the training canvases and decodes a denoised
-latent into every token in one pass.
+model (the distillation teacher) reads the source too, and its final hidden states are added to the prefix,
+as a latent diffusion model reads its prompt through a frozen text encoder: for a continuation, what the
+teacher expects to come next is then one linear read away (a seq2seq source is read without its <sep>).
+For seq2seq, source and canvas positions both count from 0, so RoPE sees how far a canvas slot is from a
+source token: monotone alignment comes cheap. A continuation canvas continues its source: its first slot
+takes the position after the last source token, so the nearest text in RoPE's terms is the text the canvas
+goes on from. The autoencoder (`TextVQVAE`) rides along frozen inside the checkpoint (as does the source
+encoder): it makes z0 from the training canvases and decodes a denoised latent into every token in one pass.
 
 Two parameterisations (`prediction`):
 - "eps" (stage 2, `diffar train dd2`): loss E||eps - eps_theta(z_t, t, c)||^2 over uniform t; samplers
