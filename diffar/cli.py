@@ -204,8 +204,8 @@ def _dd2_start(args, prediction: str):
     if init is not None and (init.config.prediction, prediction) == ("x0", "eps"):
         raise DiffarError(f"--init {args.init} is a distilled (x0) generator; continue it with diffar distill dd2")
     task = load_corpus(args.corpus, "train").task
-    trained_on = init and ("seq2seq" if init.config.eos_id is not None else "continuation")
-    if init is not None and trained_on != task:
+    if init is not None and (init.config.eos_id is not None) != (task == "seq2seq"):
+        trained_on = "seq2seq" if init.config.eos_id is not None else "continuation"
         raise DiffarError(f"--init {args.init} was trained on {trained_on} data; --corpus {args.corpus} is a "
                           f"{task} one")
     encoder = None

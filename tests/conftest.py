@@ -84,19 +84,19 @@ def tiny_refusion(tiny_run, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_run(tokenizer_path, tmp_path_factory):
     """A `tiny` seq2seq model trained for 10 steps through the CLI (a run folder)."""
-    out = tmp_path_factory.mktemp("runs") / "tiny-kjv"
-    proc = run_cli("train", "ar", "--corpus", "kjv2web", "--tokenizer", tokenizer_path, "--out", out,
-                   "--max-steps", "10", "--block-size", "128", *TINY_TRAIN)
-    assert proc.returncode == 0, proc.stderr
-    return out
+    return train_tiny_ar("kjv2web", 10, tokenizer_path, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def tiny_shakespeare_run(tokenizer_path, tmp_path_factory):
     """A `tiny` continuation model trained for 2 steps through the CLI (a run folder)."""
-    out = tmp_path_factory.mktemp("runs") / "tiny-shakespeare"
-    proc = run_cli("train", "ar", "--corpus", "shakespeare", "--tokenizer", tokenizer_path, "--out", out,
-                   "--max-steps", "2", "--block-size", "128", *TINY_TRAIN)
+    return train_tiny_ar("shakespeare", 2, tokenizer_path, tmp_path_factory)
+
+
+def train_tiny_ar(corpus: str, steps: int, tokenizer_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / f"tiny-{corpus}"
+    proc = run_cli("train", "ar", "--corpus", corpus, "--tokenizer", tokenizer_path, "--out", out,
+                   "--max-steps", str(steps), "--block-size", "128", *TINY_TRAIN)
     assert proc.returncode == 0, proc.stderr
     return out
 

@@ -149,8 +149,8 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
     tokens of the prompt and the text so far (semi-autoregressive: one denoising run per canvas).
     `on_step(i, rows)` sees the tokens after denoising step i (for streaming snapshots): the argmax of each
     intermediate prediction, so watching does not draw from `generator` and the result is the same with or
-    without it. `fixed[row]` pins output positions to
-    tokens (see `Pins`); the output keeps them, and each pinned step costs one more decoder and encoder pass."""
+    without it. `fixed[row]` pins output positions to tokens (see `Pins`); the output keeps them, and each
+    pinned step costs one more decoder and encoder pass."""
     if max_new <= 0:
         raise DiffarError(f"max_new must be positive, got {max_new}")
     if sampling.best_of > 1:
