@@ -407,7 +407,7 @@ def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
     import torch
 
     from diffar.checkpoint import DTYPES, load_ar
-    from diffar.data.batching import prompt_ids
+    from diffar.data.batching import ar_prompt, prompt_ids
     from diffar.decoding.dd2 import DD2Sampling, best_of_generate, dd2_generate, hybrid_generate
 
     if args.temperature or args.top_k or args.top_p != 1.0 or args.draft or args.prompt_lookup or args.no_cache:
@@ -439,7 +439,7 @@ def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
     elif args.best_of:
         judge = load_ar(args.judge, tokenizer, "--judge", task=meta["task"], dtype=DTYPES[args.dtype]) \
             if args.judge else None
-        result = best_of_generate(model, judge, [source], [prompt_ids(tokenizer, meta["task"], text)],
+        result = best_of_generate(model, judge, [source], [ar_prompt(tokenizer, meta["task"], source)],
                                   args.max_new_tokens, **decode)
     else:
         result = dd2_generate(model, [source], args.max_new_tokens, **decode)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from diffar.checkpoint import DTYPES, ar_stream, load_ar, load_checkpoint
-from diffar.data.batching import prompt_ids
+from diffar.data.batching import ar_prompt, prompt_ids
 from diffar.data.corpora import load_corpus
 from diffar.decoding.ar import generate
 from diffar.decoding.dd2 import DD2Sampling, best_of_generate, dd2_generate, hybrid_generate
@@ -204,6 +204,7 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
             raise DiffarError(f"no {split} source of {corpus.name} fits the model's "
                               f"{model.config.max_source_len} tokens")
     sources = [p[:-1] if seq2seq else p[-model.config.vqvae.prompt_len:] for p in prompts]
+    judged = [ar_prompt(tokenizer, meta["task"], s) for s in sources]  # the judge reads what the generator reads
     records = []
     for bs in batch_sizes:
         batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
@@ -220,7 +221,7 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
                     return hybrid_generate(model, ar, [sources[i] for i in rows], [prompts[i] for i in rows], n,
                                            **decode)
                 if sampling.best_of > 1:
-                    return best_of_generate(model, judge, [sources[i] for i in rows], [prompts[i] for i in rows], n,
+                    return best_of_generate(model, judge, [sources[i] for i in rows], [judged[i] for i in rows], n,
                                             **decode)
                 return dd2_generate(model, [sources[i] for i in rows], n, **decode)
 
