@@ -809,8 +809,13 @@ def test_serve_dd2(tiny_dd2, tiny_vqvae, tiny_run):
                                     eos_id=tokenizer.eos_id, generator=torch.Generator().manual_seed(5))
         assert picked["diffar"]["token_ids"] == expected.tokens[0]  # no judge: the decoder's own pick
         assert picked["diffar"]["passes"]["denoiser_passes"] == 1 and "judge_passes" not in picked["diffar"]["passes"]
+        sampled = httpx.post(url + "/v1/completions", json={**body, "tau_min": 1.5}, timeout=60).json()
+        expected = dd2_generate(model, [tokenizer.encode(prompt)], 12, sampling=DD2Sampling(tau_min=1.5),
+                                eos_id=tokenizer.eos_id, generator=torch.Generator().manual_seed(5))
+        assert sampled["diffar"]["token_ids"] == expected.tokens[0] != out["diffar"]["token_ids"]
         for bad, param in [({"method": "ar"}, "method"), ({"prompt": "word " * 200}, "prompt"),
-                           ({"max_tokens": 500}, "max_tokens"), ({"best_of": 2, "stream": True}, "best_of")]:
+                           ({"max_tokens": 500}, "max_tokens"), ({"best_of": 2, "stream": True}, "best_of"),
+                           ({"tau": 0.5}, "tau")]:
             r = httpx.post(url + "/v1/completions", json={**body, **bad}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     finally:

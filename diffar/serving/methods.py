@@ -132,10 +132,12 @@ def report(batch: list, passes: dict) -> None:
         request.passes = {**passes, "batch_size": len(batch)}
 
 
-def dd2_sampling(steps: int | None, guidance_scale: float | None, preset: str | None,
-                 best_of: int = 1) -> DD2Sampling:
-    """A request's DD2 sampling: a preset with its overrides, or one step (and guidance 1) by default."""
+def dd2_sampling(steps: int | None, guidance_scale: float | None, preset: str | None, best_of: int = 1,
+                 tau: float | None = None, tau_min: float | None = None) -> DD2Sampling:
+    """A request's DD2 sampling: a preset with its overrides, or one step, guidance 1 and an argmax read-out
+    by default."""
     if preset:
-        return DD2Sampling.from_preset(preset, steps=steps, guidance_scale=guidance_scale, best_of=best_of)
+        return DD2Sampling.from_preset(preset, steps=steps, guidance_scale=guidance_scale, best_of=best_of,
+                                       tau_max=tau, tau_min=tau_min)
     return DD2Sampling(steps=steps or 1, guidance_scale=1.0 if guidance_scale is None else guidance_scale,
-                       best_of=best_of)
+                       best_of=best_of, tau_max=tau or 0.0, tau_min=tau_min or 0.0)

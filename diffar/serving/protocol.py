@@ -2,7 +2,8 @@
 
 Only what diffar can honour is accepted: n must be 1, best_of above 1 only for DD2 (and not streamed, as
 in OpenAI's API), and every knob is validated even where the served method ignores it (AR: steps,
-guidance_scale, preset; DD2: temperature, top_k, top_p), so a client learns about a typo at once.
+guidance_scale, preset, tau, tau_min; DD2: temperature, top_k, top_p), so a client learns about a typo at
+once.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class GenerationFields(BaseModel):
     steps: int | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0.0)
     preset: Literal["speed", "quality"] | None = None
+    # DD2's read-out temperature tau(t) = max(tau_min, tau * (1 - t)), as `diffar generate --tau/--tau-min`
+    tau: float | None = Field(default=None, ge=0.0)
+    tau_min: float | None = Field(default=None, ge=0.0)
     # Human-in-the-loop: output position -> a token id to keep, or text to put there (it may span tokens)
     fixed_tokens: dict[int, int | str] | None = None
 
