@@ -422,7 +422,7 @@ def _generate_dd2(args, model, tokenizer, meta, text: str) -> None:
     sampling = DD2Sampling.from_preset(args.preset, **knobs) if args.preset else \
         DD2Sampling(**{k: v for k, v in {**knobs, "steps": 1 if args.steps is None else args.steps}.items()
                        if v is not None})
-    if args.tau is not None and args.tau_min is None and sampling.steps_for(0) == 1:
+    if args.tau is not None and args.tau_min is None and sampling.one_step:
         raise DiffarError("a one-step sample is read out at t = 1, where tau(t) = max(tau_min, tau * (1 - t)) is "
                           "tau_min: --tau needs more --steps; pass --tau-min to sample the one-step read-out")
     ids = tokenizer.encode(text)

@@ -70,6 +70,11 @@ class DD2Sampling:
     def tau(self, t: float) -> float:
         return max(self.tau_min, self.tau_max * (1 - t))
 
+    @property
+    def one_step(self) -> bool:
+        """A single denoising step, read out at t = 1, where tau(t) is tau_min and tau_max does nothing."""
+        return not self.adaptive and self.steps == 1
+
 
 def adaptive_steps(length: int) -> int:
     """The seed's step count for a canvas of `length` tokens (section 6)."""

@@ -156,7 +156,7 @@ def create_app(method, tokenizer, meta: dict, model_id: str, *, max_batch_size: 
                            "score after this prompt", code="context_length_exceeded", param="max_tokens")
         if method.name == "dd2":
             sampling = dd2_sampling(body.steps, body.guidance_scale, body.preset, body.best_of, body.tau, body.tau_min)
-            if body.tau is not None and body.tau_min is None and sampling.steps == 1:
+            if body.tau is not None and body.tau_min is None and sampling.one_step:
                 raise APIError(400, "a one-step sample is read out at tau_min (tau(t) = max(tau_min, tau * (1 - t)) "
                                     "at t = 1): tau needs more steps; send tau_min to sample it", param="tau")
         else:

@@ -26,20 +26,20 @@ def teacher_outputs(teacher: Transformer, prompts: list[list[int]], budgets: lis
     """Greedy teacher continuation of every prompt (at most budgets[i] tokens, ending at eos_id), cached."""
     keys = [_key(p, b) for p, b in zip(prompts, budgets)]
     done: dict[int, list[int]] = {}
-    if cache.exists():
-        for line in cache.read_text().splitlines():
-            try:
-                record = json.loads(line)
-                i, out = int(record["i"]), [int(x) for x in record["out"]]
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by an interruption: made again below
-            if i >= len(prompts) or record.get("key", keys[i]) != keys[i]:  # caches made before the keys pass
-                raise DiffarError(f"{cache} holds teacher outputs for other data; remove it or choose another --out")
-            done[i] = out
+    text = cache.read_text() if cache.exists() else ""
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+            i, out = int(record["i"]), [int(x) for x in record["out"]]
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by an interruption: made again below
+        if i >= len(prompts) or record.get("key", keys[i]) != keys[i]:  # caches made before the keys pass
+            raise DiffarError(f"{cache} holds teacher outputs for other data; remove it or choose another --out")
+        done[i] = out
     todo = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: len(prompts[i]))
     cache.parent.mkdir(parents=True, exist_ok=True)
     with open(cache, "a") as f, tqdm(total=len(prompts), initial=len(done), desc="teacher", dynamic_ncols=True) as bar:
-        if f.tell() and not cache.read_text().endswith("\n"):
+        if text and not text.endswith("\n"):
             f.write("\n")  # end a line cut short by an interruption, so the next record starts a line of its own
         for start in range(0, len(todo), batch_size):
             rows = todo[start:start + batch_size]
@@ -52,7 +52,6 @@ def teacher_outputs(teacher: Transformer, prompts: list[list[int]], budgets: lis
             os.fsync(f.fileno())
             bar.update(len(rows))
     return [done[i] for i in range(len(prompts))]
-
 
 
 def _key(prompt: list[int], budget: int) -> str:
