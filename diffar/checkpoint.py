@@ -29,6 +29,9 @@ from diffar.tokenizer import Tokenizer
 FORMAT_VERSION = 1
 MODEL_KINDS = {"ar": (TransformerConfig, Transformer), "refusion": (RefusionConfig, RefusionModel),
                "vqvae": (VQVAEConfig, TextVQVAE), "dd2": (DD2Config, DD2Model)}
+# The generation methods (diffar/generation) each kind serves, its default first: a ReFusion model's AR stream
+# also decodes alone; an autoencoder does not generate.
+GENERATES = {"ar": ("ar",), "refusion": ("refusion", "ar"), "vqvae": (), "dd2": ("dd2",)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CHECKPOINT_NAME = re.compile(r"ckpt-\d{7}")
 

@@ -1,11 +1,14 @@
-"""Byte-level BPE tokenizer (HF `tokenizers`) with diffar's special tokens.
+"""Byte-level BPE tokenizer (HF `tokenizers`) with diffar's special tokens, or an imported model's own.
 
 Byte-level pre-tokenisation without normalisation makes decode(encode(text)) == text for any string.
+An imported model's tokenizer names its own special tokens and may carry a chat template; both live in
+`<name>_config.json` next to `<name>.json` (for `tokenizer.json`, Hugging Face's `tokenizer_config.json`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -14,19 +17,37 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from diffar.errors import DiffarError
 
-SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<sep>", "<mask>")
+ROLES = ("pad", "bos", "eos", "sep", "mask")
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<sep>", "<mask>")  # diffar's own, one per role
 
 
 class Tokenizer:
-    """A thin wrapper that knows diffar's special-token ids and a content hash checkpoints record."""
+    """A thin wrapper that knows the special-token ids and a content hash checkpoints record.
 
-    def __init__(self, hf: HFTokenizer):
-        missing = [t for t in SPECIAL_TOKENS if hf.token_to_id(t) is None]
+    `specials` maps roles (pad, bos, eos, sep, mask) to the tokens that play them: diffar's own by default.
+    An imported model names its own and may lack some roles (bos, sep, mask: their ids are then None);
+    pad and eos every decoder needs. `chat_template` is the model's Jinja chat template, if it has one.
+    """
+
+    def __init__(self, hf: HFTokenizer, specials: dict[str, str | None] | None = None,
+                 chat_template: str | None = None):
+        own = specials is None
+        self.specials = dict(zip(ROLES, SPECIAL_TOKENS)) if own else {r: specials[r] for r in ROLES if specials.get(r)}
+        missing = [t for t in self.specials.values() if hf.token_to_id(t) is None]
         if missing:
-            raise DiffarError(f"tokenizer lacks special tokens {missing}; train one with `diffar tokenizer train`")
-        self.hf = hf
+            hint = "; train one with `diffar tokenizer train`" if own else ""
+            raise DiffarError(f"tokenizer lacks special tokens {missing}{hint}")
+        if "pad" not in self.specials or "eos" not in self.specials:
+            raise DiffarError("tokenizer names no pad or no end-of-sequence token")
+        self.hf, self.chat_template = hf, chat_template
         self.hf.encode_special_tokens = True  # "<sep>" typed by a user is text, not the separator
-        self.pad_id, self.bos_id, self.eos_id, self.sep_id, self.mask_id = (hf.token_to_id(t) for t in SPECIAL_TOKENS)
+        self.pad_id, self.bos_id, self.eos_id, self.sep_id, self.mask_id = (
+            hf.token_to_id(self.specials[r]) if r in self.specials else None for r in ROLES)
+
+    @property
+    def own_specials(self) -> bool:
+        """True for diffar's own special tokens (then no `_config.json` is written or needed)."""
+        return self.specials == dict(zip(ROLES, SPECIAL_TOKENS)) and self.chat_template is None
 
     @property
     def vocab_size(self) -> int:
@@ -45,30 +66,49 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
+    def decode_complete(self, ids: Iterable[int]) -> str | None:
+        """The text of `ids` as it is safe to show while more tokens come: None while it ends in half of a
+        multi-byte character (byte-level BPE splits characters across tokens)."""
+        text = self.decode(ids)
+        return None if text.endswith("\ufffd") else text
+
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.hf.save(str(path))
+        if not self.own_specials:
+            config = {f"{role}_token": token for role, token in self.specials.items()}
+            config.update(chat_template=self.chat_template, tokenizer_class="PreTrainedTokenizerFast")
+            config_path(path).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
     @classmethod
-    def from_str(cls, text: str) -> Tokenizer:
-        return cls(HFTokenizer.from_str(text))
+    def from_str(cls, text: str, config: dict | None = None) -> Tokenizer:
+        """A tokenizer from its JSON text and, for an imported model's, its `_config.json` contents."""
+        specials = None if config is None else {r: config.get(f"{r}_token") for r in ROLES}
+        return cls(HFTokenizer.from_str(text), specials, None if config is None else config.get("chat_template"))
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
         try:
-            return cls.from_str(Path(path).read_text(encoding="utf-8"))
+            config = config_path(path).read_text(encoding="utf-8") if config_path(path).is_file() else None
+            return cls.from_str(Path(path).read_text(encoding="utf-8"), None if config is None else json.loads(config))
         except DiffarError:
             raise
         except (OSError, UnicodeDecodeError) as e:
             raise DiffarError(f"cannot read tokenizer {path}: {e.strerror if isinstance(e, OSError) else e}") from e
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
-            raise DiffarError(f"{path} is not a valid tokenizer file") from e
+            raise DiffarError(f"{path} is not a valid tokenizer file (or its {config_path(path).name})") from e
+
+
+def config_path(path: str | Path) -> Path:
+    """Where a tokenizer file's special tokens and chat template live: `tokenizer.json` -> `tokenizer_config.json`."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}_config.json")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2) -> Tokenizer:
     """Train a byte-level BPE on an iterator of strings."""
     if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise DiffarError(f"--vocab-size must be at least {256 + len(SPECIAL_TOKENS)} (256 bytes + specials)")
+        raise DiffarError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} (256 bytes + specials)")
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()

@@ -101,6 +101,31 @@ def train_tiny_ar(corpus: str, steps: int, tokenizer_path, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_vqvae(tokenizer_path, tmp_path_factory):
+    """A `tiny` text autoencoder trained for 6 steps through the CLI (a run folder)."""
+    out = tmp_path_factory.mktemp("runs") / "tiny-vqvae"
+    proc = run_cli("train", "vqvae", "--corpus", "kjv2web", "--tokenizer", tokenizer_path, "--out", out,
+                   "--max-steps", "6", *TINY_TRAIN)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dd2(tiny_vqvae, tiny_run, tmp_path_factory):
+    """Stage 2 (eps), then distillation from the AR teacher starting from it: the whole DD2 pipeline."""
+    runs = tmp_path_factory.mktemp("runs")
+    stage2 = run_cli("train", "dd2", "--vqvae", tiny_vqvae, "--corpus", "kjv2web", "--out", runs / "eps",
+                     "--max-steps", "4", *TINY_TRAIN)
+    assert stage2.returncode == 0, stage2.stderr
+    distill = run_cli("distill", "dd2", "--teacher", tiny_run, "--init", runs / "eps", "--corpus", "kjv2web",
+                      "--teacher-examples", "24", "--bleu-weight", "0.5", "--semantic-weight", "0.5",
+                      "--energy-weight", "0.5", "--full-noise-prob", "0.9",
+                      "--out", runs / "x0", "--max-steps", "4", *TINY_TRAIN)
+    assert distill.returncode == 0, distill.stderr
+    return runs
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -85,7 +85,7 @@ def test_bad_sampling_settings(kwargs, message):
 def test_bad_lengths(tiny_model):
     with pytest.raises(DiffarError, match="empty prompt"):
         generate(tiny_model, [[]], 4, pad_id=0, eos_id=None)
-    with pytest.raises(DiffarError, match="max-new-tokens"):
+    with pytest.raises(DiffarError, match="max_new_tokens"):
         generate(tiny_model, [[5]], 0, pad_id=0, eos_id=None)
     with pytest.raises(DiffarError, match="context"):
         generate(tiny_model, [[5] * 300], 100, pad_id=0, eos_id=None)

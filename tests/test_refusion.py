@@ -53,7 +53,7 @@ def test_greedy_equals_plain_ar(model, batch_size, k):
     for i in range(0, len(PROMPTS), batch_size):
         result = refusion_generate(model, PROMPTS[i:i + batch_size], 40, k=k, eos_id=None)
         assert result.tokens == plain[i:i + batch_size]
-        accepted, drafted = accepted + result.accepted, drafted + result.drafted
+        accepted, drafted = accepted + result.extra["accepted"], drafted + result.extra["drafted"]
     assert 0 < accepted < drafted  # drafts were kept and rejected: the comparison is not vacuous
 
 
@@ -69,11 +69,11 @@ def test_dynamic_schedule_is_lossless_and_skips_short_prompts(model):
     plain = plain_ar(model, PROMPTS[:3], 30)
     dynamic = DraftSchedule(dynamic=True)
     result = refusion_generate(model, PROMPTS[:3], 30, eos_id=None, schedule=dynamic, prompt_words=[20, 20, 20])
-    assert result.tokens == plain and result.drafted > 0
+    assert result.tokens == plain and result.extra["drafted"] > 0
     short = refusion_generate(model, PROMPTS[:3], 30, eos_id=None, schedule=dynamic, prompt_words=[3, 3, 3])
-    assert short.tokens == plain and short.drafted == 0 and short.draft_passes == 0
+    assert short.tokens == plain and short.extra["drafted"] == 0 and short.passes["draft"] == 0
     lossless = refusion_generate(model, PROMPTS[:3], 30, eos_id=None, prompt_words=[3, 3, 3])
-    assert lossless.tokens == plain and lossless.drafted > 0  # the word rule is the dynamic schedule's
+    assert lossless.tokens == plain and lossless.extra["drafted"] > 0  # the word rule is the dynamic schedule's
 
 
 class Recording(DiffusionDrafter):
@@ -108,7 +108,7 @@ def test_plan_and_infill(model):
     assert never.tokens == plain
     always = refusion_generate(model, PROMPTS, 30, k=4, eos_id=None, schedule=DraftSchedule(plan_threshold=1e-9),
                                adaptive=False)
-    assert always.accepted == always.drafted and always.target_passes == 1 + -(-29 // 5)
+    assert always.extra["accepted"] == always.extra["drafted"] and always.passes["target"] == 1 + -(-29 // 5)
     assert always.tokens != plain and all(len(t) == 30 for t in always.tokens)
     slots = refusion_generate(model, PROMPTS, 30, k=4, eos_id=None, adaptive=False,
                               schedule=DraftSchedule(plan_threshold=1e-9, plan_slot=3))
@@ -144,7 +144,7 @@ def test_rolled_back_cache_equals_a_fresh_prefill(model, monkeypatch):
     feed = DecodeState.feed
     monkeypatch.setattr(DecodeState, "feed", lambda self, *a: (states.append(self), feed(self, *a))[1])
     result = refusion_generate(model, PROMPTS[:4], 60, eos_id=None)
-    assert 0 < result.accepted < result.drafted
+    assert 0 < result.extra["accepted"] < result.extra["drafted"]
     state = states[-1]
     rows = []
     for row, seq in enumerate(state.seqs):
@@ -178,7 +178,7 @@ def test_sampling_follows_the_ar_distribution():
         result = refusion_generate(model, [prompt], 3, k=2, eos_id=None, sampling=cfg, generator=g)
         a, b = result.tokens[0][:2]
         counts[a, b] += 1
-        accepted += result.accepted
+        accepted += result.extra["accepted"]
     assert accepted > 0
     assert (counts / n - joint).abs().sum() / 2 < 0.07  # 36 cells, 2000 draws: TV noise ~0.04
 
@@ -251,7 +251,7 @@ def test_frozen_ar_stream_gets_no_gradient():
     (dict(schedule="square"), "unknown noise schedule"),
     (dict(stage="both"), "unknown stage"),
     (dict(ar_fusion_layers=(9,)), "AR fusion layers"),
-    (dict(kl_weight=-1.0), "loss weights"),
+    (dict(kl_weight=-1.0), "kl_weight must be a number >= 0"),
 ])
 def test_bad_config(bad, message):
     with pytest.raises(DiffarError, match=message):
@@ -306,7 +306,7 @@ def test_serve_refusion(tiny_refusion, tiny_run):
         plain = generate(model.ar, [ids], 16, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id).tokens[0]
         assert out["diffar"]["method"] == "refusion" and out["diffar"]["token_ids"] == plain
         passes = out["diffar"]["passes"]
-        assert passes["ar_passes"] > 0 and passes["diffusion_passes"] > 0 and passes["batch_size"] == 1
+        assert passes["target"] > 0 and passes["draft"] > 0 and passes["batch_size"] == 1
         pinned = httpx.post(url + "/v1/completions", json={**body, "fixed_tokens": {"2": 7, "3": 8}}, timeout=60)
         expected = generate(model.ar, [ids], 16, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
                             fixed=[{2: 7, 3: 8}]).tokens[0]
@@ -326,9 +326,9 @@ def test_serve_refusion(tiny_refusion, tiny_run):
         proc.terminate()
         proc.wait(timeout=10)
     assert_clean_error(run_cli("serve", "--checkpoint", tiny_refusion, "--method", "dd2"),
-                       "cannot serve this refusion checkpoint")
+                       "a refusion checkpoint")
     assert_clean_error(run_cli("serve", "--checkpoint", tiny_run, "--method", "refusion"),
-                       "cannot serve this ar checkpoint")
+                       "cannot decode")
 
 
 def test_cli_two_stages(tiny_run, tokenizer_path, tmp_path):
@@ -358,7 +358,7 @@ def test_cli_bad_input(tiny_refusion, tiny_run, tmp_path):
     assert_clean_error(run_cli(*args, "--k", "99"), "exceeds the")
     assert_clean_error(run_cli(*args, "--steps", "0"), "steps must be positive")
     assert_clean_error(run_cli("generate", "--checkpoint", tiny_run, "--prompt", "x", "--method", "refusion"),
-                       "needs a ReFusion checkpoint")
+                       "cannot decode")
     # an AR stream and a diffusion stream that do not belong together: another tokenizer
     assert_clean_error(run_cli("train", "refusion", "--corpus", "kjv2web", "--ar", "checkpoints/ar-kjv2web",
                                "--init", tiny_refusion, "--preset", "tiny", "--out", tmp_path / "x"),

@@ -40,7 +40,7 @@ def test_openai_client_round_trip(client, server):
     assert chat.choices[0].message.content == out.choices[0].text  # same prompt, greedy
     passes = httpx.post(server + "/v1/completions", json={"prompt": "And God said", "max_tokens": 8,
                                                           "temperature": 0}, timeout=60).json()["diffar"]["passes"]
-    assert 1 <= passes["forward_passes"] <= 8 and passes["batch_size"] >= 1
+    assert 1 <= passes["target"] <= 8 and passes["batch_size"] >= 1
 
 
 def test_streaming_equals_non_streaming(client):

@@ -39,7 +39,7 @@ def test_greedy_equals_plain_ar(target, drafter, k, proposer):
         source = DraftModel(drafter) if proposer == "draft" else PromptLookup()
         spec = speculative_generate(target, source, [prompt], 24, k=k, eos_id=None)
         assert spec.tokens[0] == plain
-        assert spec.target_passes <= 24
+        assert spec.passes["target"] <= 24
 
 
 class NoisyOracle:
@@ -92,16 +92,16 @@ def test_batched_draft_model(target, drafter, monkeypatch):
     prompts = PROMPTS + [PROMPTS[0][::-1], [3] * 12]
     plain = [generate(target, [p], 60, pad_id=0, eos_id=None).tokens[0] for p in prompts]
     noisy = speculative_generate(target, DraftModel(drafter), prompts, 60, k=8, eos_id=None)
-    assert noisy.tokens == plain and 0 < noisy.accepted < noisy.drafted
+    assert noisy.tokens == plain and 0 < noisy.extra["accepted"] < noisy.extra["drafted"]
     assert drafter in compactions
     perfect = speculative_generate(target, DraftModel(copy.deepcopy(target)), prompts, 60, k=5, eos_id=None)
-    assert perfect.tokens == plain and perfect.accepted == perfect.drafted
+    assert perfect.tokens == plain and perfect.extra["accepted"] == perfect.extra["drafted"]
 
 
 def test_a_perfect_drafter_needs_few_target_passes(target):
     spec = speculative_generate(target, DraftModel(copy.deepcopy(target)), [PROMPTS[0]], 24, k=8, eos_id=None)
-    assert spec.accepted == spec.drafted  # the target drafting for itself is always right
-    assert spec.target_passes <= 1 + -(-24 // 9)
+    assert spec.extra["accepted"] == spec.extra["drafted"]  # the target drafting for itself is always right
+    assert spec.passes["target"] <= 1 + -(-24 // 9)
 
 
 def test_eos_inside_a_block_ends_generation(target):
@@ -138,7 +138,7 @@ def test_callback_can_stop_one_row(target):
 def test_cache_after_rollbacks_equals_a_fresh_prefill(target, drafter):
     prompt = PROMPTS[0]
     spec = speculative_generate(target, DraftModel(drafter), [prompt], 20, k=4, eos_id=None)
-    assert spec.accepted < spec.drafted  # some drafts were rejected and rolled back
+    assert spec.extra["accepted"] < spec.extra["drafted"]  # some drafts were rejected and rolled back
     n = len(prompt) + len(spec.tokens[0]) - 1  # the last token is never fed
     cached = [(b.attn.kv_cache.k[:, :, :n].clone(), b.attn.kv_cache.v[:, :, :n].clone()) for b in target.blocks]
     full = prompt + spec.tokens[0][:-1]

@@ -44,8 +44,25 @@ def test_vocab_too_small_rejected():
 
 
 def test_shipped_tokenizer_loads():
-    from diffar.cli import DEFAULT_TOKENIZER
+    from diffar.commands.flags import DEFAULT_TOKENIZER
 
     tok = Tokenizer.load(DEFAULT_TOKENIZER)
     assert tok.vocab_size == 8192
     assert tok.decode(tok.encode(TEXTS[2])) == TEXTS[2]
+
+
+def test_a_models_own_special_tokens_and_chat_template_round_trip(tokenizer, tmp_path):
+    """An imported model's tokenizer keeps its specials (some roles absent) in tokenizer_config.json."""
+    specials = {"bos": "<bos>", "eos": "<sep>", "pad": "<sep>"}
+    imported = Tokenizer(tokenizer.hf, specials, chat_template="{{ messages }}")
+    imported.save(tmp_path / "tokenizer.json")
+    again = Tokenizer.load(tmp_path / "tokenizer.json")
+    assert (again.bos_id, again.eos_id, again.pad_id) == (tokenizer.bos_id, tokenizer.sep_id, tokenizer.sep_id)
+    assert again.sep_id is None and again.mask_id is None and again.chat_template == "{{ messages }}"
+    assert again.sha256 == tokenizer.sha256
+    tokenizer.save(tmp_path / "own.json")
+    assert not (tmp_path / "own_config.json").exists()  # diffar's own tokenizer files stay as they were
+    with pytest.raises(DiffarError, match="no pad or no end-of-sequence"):
+        Tokenizer(tokenizer.hf, {"bos": "<bos>"})
+    with pytest.raises(DiffarError, match="lacks special tokens"):
+        Tokenizer(tokenizer.hf, {"eos": "<|im_end|>", "pad": "<|im_end|>"})

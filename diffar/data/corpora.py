@@ -86,7 +86,8 @@ def _user_split(corpus: Corpus, split: str) -> Corpus:
     if corpus.task == "seq2seq":
         pairs = [p for i, p in enumerate(corpus.pairs) if keep(i)]
         if not pairs:
-            raise DiffarError(f"{corpus.name} has too few records to hold out a {split} split; pass --valid-corpus")
+            raise DiffarError(f"{corpus.name} has too few records to hold out a {split} split; give a separate "
+                              "validation corpus")
         return Corpus(corpus.name, corpus.task, pairs=pairs)
     cuts = [len(d) - len(d) // HOLDOUT_EVERY for d in corpus.documents]
     docs = [d[c:] if split == "valid" else d[:c] for d, c in zip(corpus.documents, cuts)]

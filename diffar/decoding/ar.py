@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from diffar.data.batching import pad_right
+from diffar.decoding.result import GenerationResult
 from diffar.decoding.sampling import SamplingConfig, sample_next
 from diffar.errors import DiffarError
 from diffar.models.transformer import Transformer
@@ -22,22 +23,6 @@ from diffar.models.transformer import Transformer
 # (row, token id), called as each token is produced; returning False stops that row (a stop string,
 # its own token budget, a client that went away) while the other rows go on.
 TokenCallback = Callable[[int, int], bool | None]
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[list[int]]  # new tokens per row, eos excluded
-    prompt_tokens: int
-    forward_passes: int
-    seconds: float
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
 @dataclass
@@ -79,7 +64,7 @@ def check_lengths(model: Transformer, prompts: list[list[int]], max_new_tokens: 
     if not prompts or any(len(p) == 0 for p in prompts):
         raise DiffarError("empty prompt: give at least one token of text")
     if max_new_tokens <= 0:
-        raise DiffarError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+        raise DiffarError(f"max_new_tokens must be positive, got {max_new_tokens}")
     longest, ctx = max(len(p) for p in prompts), model.config.max_seq_len
     if longest + max_new_tokens > ctx:
         raise DiffarError(
@@ -113,17 +98,19 @@ def decode_n_tokens(
     generator: torch.Generator | None = None,
     step: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
     fixed: list[dict[int, int]] | None = None,
-) -> tuple[list[list[int]], int]:
+) -> tuple[list[list[int]], int, list[bool]]:
     """Sample up to n tokens per row from `logits` onwards; rows stop independently at eos.
 
     `step(token, slot)` produces the next logits; the default is `decode_one_token` on the KV cache.
     `fixed[row]` maps output positions to tokens a person pinned: those are emitted instead of sampled,
-    and decoding continues from them. Returns (new tokens per row, forward passes made).
+    and decoding continues from them. Returns (new tokens per row, forward passes made, the rows that
+    ended at eos).
     """
     step = step or (lambda token, slot: decode_one_token(model, batch, token, slot))
     B, slot = batch.tokens.shape
     out: list[list[int]] = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool)
+    ended = [False] * B
     passes = 0
     last_pin = [max(pins, default=-1) for pins in (fixed or ())]
     for i in range(n):
@@ -141,7 +128,7 @@ def decode_n_tokens(
                 continue
             t = int(token[row])
             if t == eos_id:
-                done[row] = True
+                done[row] = ended[row] = True
                 continue
             out[row].append(t)
             if on_token and on_token(row, t) is False:
@@ -150,7 +137,7 @@ def decode_n_tokens(
             break
         logits = step(token, slot + i)
         passes += 1
-    return out, passes
+    return out, passes, ended
 
 
 def _uncached_step(model: Transformer, batch: Batch) -> Callable[[torch.Tensor, int], torch.Tensor]:
@@ -194,9 +181,9 @@ def generate(
         T = batch.tokens.shape[1]
         logits = model(batch.tokens, positions=batch.positions(0, T), attn_mask=batch.attn_mask(0, T))[0][:, -1]
         step = _uncached_step(model, batch)
-    tokens, passes = decode_n_tokens(model, batch, logits, max_new_tokens, sampling, eos_id, on_token, generator, step,
-                                     fixed)
-    return GenerationResult(tokens, sum(len(p) for p in prompts), passes + 1, time.perf_counter() - t0)
+    tokens, passes, ended = decode_n_tokens(model, batch, logits, max_new_tokens, sampling, eos_id, on_token,
+                                            generator, step, fixed)
+    return GenerationResult(tokens, time.perf_counter() - t0, {"target": passes + 1}, ended)
 
 
 @torch.inference_mode()

@@ -2,11 +2,11 @@
 
 `dd2_generate` runs a scheduler (DDIM or DDPM, diffusion/scheduler.py) over the latent canvas of each
 source, with classifier-free guidance, then reads the tokens out of the last z0 prediction. Tokens read out of
-a prediction made at time t use the seed's dynamic temperature
+a prediction made at time t use the dynamic temperature of the DD2 seed post (seeds/dd2.zh.txt)
     tau(t) = max(tau_min, tau_max * (1 - t))          (t in [0, 1]; tau 0 = argmax)
 so a one-step sample (t = 1) decodes at tau_min and many-step samples end near tau_max.
 
-Sampling policies from the seed (section 5.2 and 6): presets `speed` (30 steps, tau 0.7, guidance 1.5) and
+Sampling policies from the same post (sections 5.2 and 6): presets `speed` (30 steps, tau 0.7, guidance 1.5) and
 `quality` (100 steps, tau 0.3, guidance 2.0); adaptive steps min(100, 50 + length // 10); and hybrid
 sampling for long outputs: one step for the first (up to) 50 tokens, then an AR model continues that prefix
 with its KV cache (`hybrid_generate`). Best of n (`DD2Sampling.best_of`, `best_of_generate`): n samples
@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from diffar.data.batching import pad_right
 from diffar.decoding.ar import generate, log_likelihoods
+from diffar.decoding.result import GenerationResult
 from diffar.diffusion.scheduler import SCHEDULERS
 from diffar.errors import DiffarError
 from diffar.models.dd2 import DD2Model
@@ -81,25 +82,15 @@ def adaptive_steps(length: int) -> int:
     return min(100, 50 + length // 10)
 
 
-@dataclass
-class DD2Result:
-    tokens: list[list[int]]  # per row, up to (not including) <eos>
-    seconds: float
-    steps: int
-    forward_passes: int  # denoiser passes (a guided step is one pass over a doubled batch), and the AR
-    # passes of hybrid's continuation or of best of n's judge
-    decoder_passes: int
-    prompt_tokens: list[int] = field(default_factory=list)
-    # per row, the mean log-probability the decoder gave the tokens it read out: the text, and for seq2seq
-    # the end it marked (of the DD2 sample alone, in hybrid sampling)
-    confidence: list[float] = field(default_factory=list)
-    tau: float = 0.0  # the temperature the tokens were read out at: tau(t) of the last step (one step: tau_min)
-    # per row, whether a seq2seq canvas marked the text's end (<eos> or <pad>) within its width and the budget
-    ended: list[bool] = field(default_factory=list)
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(map(len, self.tokens))
+def dd2_result(tokens: list[list[int]], seconds: float, steps: int, denoiser_passes: int, decoder_passes: int,
+               confidence: list[float], tau: float, ended: list[bool]) -> GenerationResult:
+    """A DD2 sample as a `GenerationResult`. Its extras: `steps` (denoising steps), `tau` (the temperature
+    the tokens were read out at: tau(t) of the last step; one step: tau_min) and `confidence` (per row, the
+    mean log-probability the decoder gave the tokens it read out: the text, and for seq2seq the end it
+    marked). `ended`: per row, whether a seq2seq canvas marked the text's end (<eos> or <pad>) within its
+    width and the budget."""
+    return GenerationResult(tokens, seconds, {"denoiser": denoiser_passes, "decoder": decoder_passes}, ended,
+                            {"steps": steps, "tau": tau, "confidence": confidence})
 
 
 def read_tokens(logits: torch.Tensor, tau: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -143,7 +134,7 @@ class Pins:
 def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sampling: DD2Sampling = DD2Sampling(),
                  eos_id: int | None = None, pad_id: int = 0, generator: torch.Generator | None = None,
                  on_step: Callable[[int, list[list[int]]], None] | None = None,
-                 fixed: list[dict[int, int]] | None = None) -> DD2Result:
+                 fixed: list[dict[int, int]] | None = None) -> GenerationResult:
     """Sample a canvas per source and return its text, at most `max_new` tokens per row.
 
     seq2seq models (config.eos_id set) size each canvas by the source (`VQVAEConfig.width`; in a batch the
@@ -181,14 +172,14 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
         part = _sample(model, prompts, min(canvas, max_new - start), sampling, eos_id, pad_id, generator,
                        on_step and watch, pins)
         tokens = [t + new for t, new in zip(tokens, part.tokens)]
-        log_prob = [lp + c * len(new) for lp, c, new in zip(log_prob, part.confidence, part.tokens)]
-        passes, decoder_passes = passes + part.forward_passes, decoder_passes + part.decoder_passes
-    return DD2Result(tokens, time.perf_counter() - t0, part.steps, passes, decoder_passes, list(map(len, sources)),
-                     [lp / len(t) for lp, t in zip(log_prob, tokens)], part.tau, [False] * len(sources))
+        log_prob = [lp + c * len(new) for lp, c, new in zip(log_prob, part.extra["confidence"], part.tokens)]
+        passes, decoder_passes = passes + part.passes["denoiser"], decoder_passes + part.passes["decoder"]
+    return dd2_result(tokens, time.perf_counter() - t0, part.extra["steps"], passes, decoder_passes,
+                      [lp / len(t) for lp, t in zip(log_prob, tokens)], part.extra["tau"], [False] * len(sources))
 
 
 def _sample(model: DD2Model, sources: list[list[int]], max_new: int, sampling: DD2Sampling, eos_id: int | None,
-            pad_id: int, generator: torch.Generator | None, on_step, fixed) -> DD2Result:
+            pad_id: int, generator: torch.Generator | None, on_step, fixed) -> GenerationResult:
     """One canvas per source (`dd2_generate`'s arguments)."""
     cfg = model.config
     vq = cfg.vqvae
@@ -235,8 +226,7 @@ def _sample(model: DD2Model, sources: list[list[int]], max_new: int, sampling: D
     log_probs = torch.log_softmax(logits.float(), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1).cpu()
     ended = [eos_id is not None and len(t) < min(max_new, w) for t, w in zip(tokens, widths.tolist())]
     confidence = [float(row[:len(t) + end].mean()) for row, t, end in zip(log_probs, tokens, ended)]
-    return DD2Result(tokens, time.perf_counter() - t0, steps, passes, decoder_passes, list(map(len, sources)),
-                     confidence, tau, ended)
+    return dd2_result(tokens, time.perf_counter() - t0, steps, passes, decoder_passes, confidence, tau, ended)
 
 
 def _rows(ids: torch.Tensor, widths: torch.Tensor, eos_id: int | None, pad_id: int,
@@ -256,10 +246,10 @@ def _rows(ids: torch.Tensor, widths: torch.Tensor, eos_id: int | None, pad_id: i
 def hybrid_generate(model: DD2Model, ar: Transformer, sources: list[list[int]], prompts: list[list[int]],
                     max_new: int, *, prefix: int = 50, sampling: DD2Sampling = DD2Sampling(),
                     eos_id: int | None = None, pad_id: int = 0,
-                    generator: torch.Generator | None = None) -> DD2Result:
+                    generator: torch.Generator | None = None) -> GenerationResult:
     """One DD2 sample for the first (up to) `prefix` tokens, then greedy AR continues each row from its
     prompt plus that prefix (one prefill pass fills the KV cache) up to `max_new` tokens. Rows whose one-step
-    text ended (`DD2Result.ended`) are done. `prompts` are the AR model's prompts (seq2seq: source + <sep>)."""
+    text ended (`GenerationResult.ended`) are done. `prompts` are the AR model's prompts (seq2seq: source + <sep>)."""
     one = dd2_generate(model, sources, min(prefix, max_new), sampling=sampling, eos_id=eos_id, pad_id=pad_id,
                        generator=generator)
     tokens = [list(toks) for toks in one.tokens]
@@ -268,16 +258,16 @@ def hybrid_generate(model: DD2Model, ar: Transformer, sources: list[list[int]], 
     if todo:
         budget = max_new - min(len(tokens[i]) for i in todo)
         rest = generate(ar, [prompts[i] + tokens[i] for i in todo], budget, pad_id=pad_id, eos_id=eos_id)
-        seconds, ar_passes = seconds + rest.seconds, rest.forward_passes
+        seconds, ar_passes = seconds + rest.seconds, rest.passes["target"]
         for i, more in zip(todo, rest.tokens):
             tokens[i] += more[:max_new - len(tokens[i])]
-    return replace(one, tokens=tokens, seconds=seconds, forward_passes=one.forward_passes + ar_passes)
+    return replace(one, tokens=tokens, seconds=seconds, passes={**one.passes, "target": ar_passes})
 
 
 def best_of_generate(model: DD2Model, judge: Transformer | None, sources: list[list[int]],
                      prompts: list[list[int]] | None, max_new: int, *, sampling: DD2Sampling = DD2Sampling(),
                      eos_id: int | None = None, pad_id: int = 0, generator: torch.Generator | None = None,
-                     fixed: list[dict[int, int]] | None = None) -> DD2Result:
+                     fixed: list[dict[int, int]] | None = None) -> GenerationResult:
     """`sampling.best_of` (n) samples per source from independent noise, all in one batched `dd2_generate`
     call, of which each row keeps the likeliest. With `judge` (an AR model), likeliest means the highest
     mean log-probability per token under the judge, which scores every distinct sample after its prompt in
@@ -293,15 +283,16 @@ def best_of_generate(model: DD2Model, judge: Transformer | None, sources: list[l
     if n == 1:
         return out
     t0 = time.perf_counter()
-    score, passes = out.confidence, out.forward_passes
+    confidence = out.extra["confidence"]
+    score, judged = confidence, {}
     if judge is not None:
         samples = [(i, tuple(t + [eos_id] if end else t))  # a text that ended is scored with its <eos>
                    for i, t, end in zip(rows, out.tokens, out.ended)]
         unique = list(dict.fromkeys(samples))  # one-step samples often agree: each distinct one is scored once
         scores = log_likelihoods(judge, [prompts[i] for i, _ in unique], [list(t) for _, t in unique], pad_id)
         mean = dict(zip(unique, (scores / torch.tensor([max(1, len(t)) for _, t in unique])).tolist()))
-        score, passes = [mean[sample] for sample in samples], passes + 1
+        score, judged = [mean[sample] for sample in samples], {"judge": 1}
     best = [max(range(i * n, i * n + n), key=lambda j: score[j]) for i in range(len(sources))]
-    return replace(out, tokens=[out.tokens[j] for j in best], confidence=[out.confidence[j] for j in best],
-                   prompt_tokens=list(map(len, sources)), seconds=out.seconds + time.perf_counter() - t0,
-                   forward_passes=passes)
+    return replace(out, tokens=[out.tokens[j] for j in best], seconds=out.seconds + time.perf_counter() - t0,
+                   passes={**out.passes, **judged}, ended=[out.ended[j] for j in best],
+                   extra={**out.extra, "confidence": [confidence[j] for j in best]})

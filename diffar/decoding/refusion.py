@@ -1,12 +1,13 @@
 """ReFusion decoding: the diffusion stream drafts a block, the AR stream verifies it (lossless).
 
 The drafter reads the AR stream's hidden states, which the verifier keeps per cache slot next to its KV
-cache (the seed's cache mechanism: nothing is recomputed to draft). From pure noise it denoises a block
-of `block` token embeddings after the AR stream's own latest token in `steps` DDIM steps (one by default)
-and rounds them to tokens; `speculative_generate` verifies them, so greedy output equals plain AR greedy
-and sampled output follows the AR distribution, whatever the drafts.
+cache (the cache mechanism of the ReFusion seed post, seeds/refusion.zh.txt: nothing is recomputed to
+draft). From pure noise it denoises a block of `block` token embeddings after the AR stream's own latest
+token in `steps` DDIM steps (one by default) and rounds them to tokens; `speculative_generate` verifies
+them, so greedy output equals plain AR greedy and sampled output follows the AR distribution, whatever
+the drafts.
 
-The seed's dynamic schedule decides per row how hard to draft: `full_steps` denoising steps in the first
+That post's dynamic schedule decides per row how hard to draft: `full_steps` denoising steps in the first
 20 % of the output, 1..`mid_steps` by the last draft's confidence up to 70 %, then none (pure AR); rows
 whose prompt has fewer than 15 words are decoded by the AR stream alone.
 
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from diffar.decoding.sampling import SamplingConfig, probabilities
-from diffar.decoding.speculative import DecodeState, Draft, SpeculativeResult, speculative_generate
+from diffar.decoding.result import GenerationResult
+from diffar.decoding.speculative import DecodeState, Draft, speculative_generate
 from diffar.diffusion.scheduler import DDIMScheduler
 from diffar.errors import DiffarError
 from diffar.models.refusion import RefusionModel, TextDiffuser
@@ -34,7 +36,7 @@ from diffar.models.refusion import RefusionModel, TextDiffuser
 @dataclass(frozen=True)
 class DraftSchedule:
     steps: int = 1  # denoising steps per draft (lossless mode)
-    dynamic: bool = False  # the seed's schedule below instead
+    dynamic: bool = False  # the ReFusion seed post's schedule below instead
     early: float = 0.2  # share of the output drafted with full_steps
     late: float = 0.7  # share after which decoding is pure AR
     full_steps: int = 4
@@ -97,6 +99,7 @@ def denoise_block(diffuser: TextDiffuser, context: torch.Tensor, context_mask: t
 class DiffusionDrafter:
     """A proposer for `speculative_generate`: ReFusion's diffusion stream."""
 
+    name = "diffusion"
     needs_hidden = True
 
     def __init__(self, model: RefusionModel, schedule: DraftSchedule = DraftSchedule(),
@@ -181,7 +184,7 @@ def refusion_generate(model: RefusionModel, prompts: list[list[int]], max_new_to
                       eos_id: int | None, schedule: DraftSchedule = DraftSchedule(),
                       prompt_words: list[int] | None = None, sampling: SamplingConfig = SamplingConfig(),
                       generator: torch.Generator | None = None, on_token=None,
-                      adaptive: bool = True, fixed: list[dict[int, int]] | None = None) -> SpeculativeResult:
+                      adaptive: bool = True, fixed: list[dict[int, int]] | None = None) -> GenerationResult:
     """ReFusion decoding of a batch, lossless unless `schedule.plan_threshold` is set; k (default: the model's
     block) caps the drafts verified per AR pass. `on_token` and `fixed` (pinned tokens) as in
     `speculative_generate`."""

@@ -18,10 +18,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from diffar.decoding.ar import Batch, TokenCallback, check_lengths
+from diffar.decoding.result import GenerationResult
 from diffar.decoding.sampling import SamplingConfig, probabilities, sample_next
 from diffar.errors import DiffarError
 from diffar.models.transformer import Transformer
@@ -38,30 +40,6 @@ class Draft:
 
     def __getitem__(self, cut: slice) -> Draft:
         return Draft(self.tokens[cut], self.dists and self.dists[cut], self.planned and self.planned[cut])
-
-
-@dataclass
-class SpeculativeResult:
-    tokens: list[list[int]]  # new tokens per row, eos excluded
-    prompt_tokens: int
-    target_passes: int  # prefill + one verification per step
-    draft_passes: int
-    drafted: int  # draft tokens proposed
-    accepted: int  # draft tokens kept
-    seconds: float
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(map(len, self.tokens))
-
-    @property
-    def tokens_per_target_pass(self) -> float:
-        """New tokens per row per target pass (1.0 for plain AR)."""
-        return self.new_tokens / len(self.tokens) / self.target_passes
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
 @dataclass
@@ -102,9 +80,7 @@ class DecodeState:
         w = int(self.valid.sum(1).max())
         keep = order[:, order.shape[1] - w:]
         for block in target.blocks:
-            cache = block.attn.kv_cache
-            index = keep[:, None, :, None].expand(-1, cache.k.shape[1], -1, cache.k.shape[3])
-            cache.k[:, :, :w], cache.v[:, :, :w] = cache.k.gather(2, index), cache.v.gather(2, index)
+            block.attn.kv_cache.compact(keep)
         if self.hidden is not None:
             self.hidden[:, :w] = self.hidden.gather(1, keep.unsqueeze(-1).expand(-1, -1, self.hidden.shape[2]))
         self.valid[:, :w] = self.valid.gather(1, keep)
@@ -113,12 +89,27 @@ class DecodeState:
         self.compactions += 1
 
 
+class Proposer(Protocol):
+    """What `speculative_generate` needs of a drafter."""
+
+    name: str  # what drafts, in labels: prompt-lookup, draft, diffusion
+    needs_hidden: bool  # whether it reads the target's hidden states (`DecodeState.hidden`)
+    passes: int  # the forward passes it has made since `start`
+
+    def start(self, batch_size: int, max_len: int) -> None:
+        """Get ready for a new batch whose texts grow to at most `max_len` tokens."""
+
+    def propose(self, state: DecodeState, k: int, sampling: SamplingConfig, generator) -> list[Draft]:
+        """Up to k drafts per row following its text (`state.seqs`); rows that are done get none."""
+
+
 class DraftModel:
     """Drafts with a small AR model of the same tokenizer. It keeps its own KV cache with the verifier's
     per-row bookkeeping (a `DecodeState` over the draft model): before drafting, each row's cached tokens
     are checked against its text, slots past the first difference are invalidated (a rollback), and the
     rest of the text is fed in one pass for all rows; then k - 1 single-token steps draft for every row."""
 
+    name = "draft"
     needs_hidden = False
 
     def __init__(self, model: Transformer):
@@ -184,6 +175,7 @@ class DraftModel:
 class PromptLookup:
     """Drafts by copying what followed the latest earlier occurrence of the text's last n-gram."""
 
+    name = "prompt-lookup"
     passes = 0  # drafting costs no forward pass
     needs_hidden = False
 
@@ -258,7 +250,7 @@ class AdaptiveBlock:
 @torch.inference_mode()
 def speculative_generate(
     target: Transformer,
-    proposer,
+    proposer: Proposer,
     prompts: list[list[int]],
     max_new_tokens: int,
     *,
@@ -269,7 +261,7 @@ def speculative_generate(
     on_token: TokenCallback | None = None,
     adaptive: bool = False,
     fixed: list[dict[int, int]] | None = None,
-) -> SpeculativeResult:
+) -> GenerationResult:
     """Draft-and-verify generation for a batch of prompts; `on_token(row, token)` streams accepted tokens
     (returning False ends that row).
 
@@ -316,14 +308,14 @@ def speculative_generate(
     last = target.lm_head(h[:, -1:])
     first = sample_next(torch.cat([no_early_eos(r, last[r]) for r in range(B)]), sampling, generator).tolist()
     first = [pins[r].get(0, t) for r, t in enumerate(first)]
-    done = state.done
+    done, ended = state.done, [False] * B
     passes, drafted, accepted_total = 1, 0, 0
     block = AdaptiveBlock(k, adaptive)
 
     def emit(row: int, t: int) -> bool:
         """Append a token to a row; False once the row is over (eos or its budget)."""
         if t == eos_id:
-            done[row] = True
+            done[row] = ended[row] = True
             return False
         state.seqs[row].append(t)
         stopped = on_token is not None and on_token(row, t) is False
@@ -366,5 +358,5 @@ def speculative_generate(
         state.write += 1 + kept
         block.update(accepted_now)
     out = [seq[n:] for seq, n in zip(state.seqs, state.prompt_lengths)]
-    return SpeculativeResult(out, sum(map(len, prompts)), passes,
-                             proposer.passes, drafted, accepted_total, time.perf_counter() - t0)
+    return GenerationResult(out, time.perf_counter() - t0, {"target": passes, "draft": proposer.passes}, ended,
+                            {"drafted": drafted, "accepted": accepted_total})

@@ -4,7 +4,7 @@ towards t = 0 given the network's output (the diffusers interface).
 The network predicts either the noise (`prediction="eps"`, DDPM's parameterisation) or the clean sample
 (`prediction="x0"`); `x0_hat` converts an eps prediction with
     x0_hat = (z_t - sqrt(1 - alpha_bar_t) * eps_hat) / sqrt(alpha_bar_t),
-which, from pure noise at t = 1, is the one-step jump (seed dd2, section 2.2).
+which, from pure noise at t = 1, is the one-step jump (the DD2 seed post, `seeds/dd2.zh.txt`, section 2.2).
 """
 
 from __future__ import annotations

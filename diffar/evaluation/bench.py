@@ -11,15 +11,15 @@ from pathlib import Path
 import torch
 
 from diffar.checkpoint import DTYPES, ar_stream, load_ar, load_checkpoint
-from diffar.data.batching import ar_prompt, prompt_ids
 from diffar.data.corpora import load_corpus
-from diffar.decoding.ar import generate
-from diffar.decoding.dd2 import DD2Sampling, best_of_generate, dd2_generate, hybrid_generate
-from diffar.decoding.refusion import DraftSchedule, refusion_generate
-from diffar.decoding.speculative import DraftModel, PromptLookup, speculative_generate
+from diffar.decoding.refusion import DraftSchedule
+from diffar.decoding.result import GenerationResult
+from diffar.decoding.speculative import DraftModel, PromptLookup
 from diffar.errors import DiffarError
 from diffar.evaluation.hardware import cpu_name
 from diffar.evaluation.metrics import conditional_perplexity, repetition, text_metrics
+from diffar.generation import ARMethod, DD2Method, GenerationMethod, Options, RefusionMethod
+from diffar.models.refusion import RefusionModel
 
 
 @dataclass
@@ -38,32 +38,50 @@ class BenchRecord:
     extra: dict = field(default_factory=dict)
 
 
+def _batches(n: int, batch_size: int) -> list[range]:
+    return [range(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
+
+
+def _run(method: GenerationMethod, settings, prompts: list[list[int]], batches: list[range], budget, *,
+         generator: torch.Generator | None = None, ignore_eos: bool = False) -> list[GenerationResult]:
+    """`method` over the prompts batch by batch (`budget(rows)` new tokens each), after one warm-up run on the
+    first batch: a pass at a new shape sets up its kernels, which is not what decoding costs."""
+    run = dict(generator=generator, ignore_eos=ignore_eos)
+    method.generate([prompts[i] for i in batches[0]], budget(batches[0]), settings, **run)
+    return [method.generate([prompts[i] for i in rows], budget(rows), settings, **run) for rows in batches]
+
+
+def _passes(results: list[GenerationResult], kind: str) -> int:
+    return sum(r.passes.get(kind, 0) for r in results)
+
+
+def _record(method: str, task: str, prompts: list[list[int]], results: list[GenerationResult], **fields) -> BenchRecord:
+    """A record of a method's run over every prompt: per-batch means of latency and passes."""
+    seconds, new = sum(r.seconds for r in results), sum(r.new_tokens for r in results)
+    return BenchRecord(method=method, task=task, batch_size=fields.pop("batch_size"),
+                       prompt_tokens=round(sum(map(len, prompts)) / len(prompts)),
+                       new_tokens=round(new / len(prompts)), latency_ms=round(1000 * seconds / len(results), 1),
+                       tokens_per_s=round(new / seconds, 1),
+                       forward_passes=round(sum(r.forward_passes for r in results) / len(results)), **fields)
+
+
 def bench_ar(checkpoint: str, corpus_name: str | None, batch_sizes: list[int], new_tokens: int,
              repeats: int, dtype: str = "fp32") -> list[BenchRecord]:
     """KV-cached vs uncached greedy AR at a fixed number of new tokens (eos ignored), batch by batch, each
-    after one warm-up run of the same size; the median of `repeats` runs."""
+    after one warm-up run of the same size (a whole run: the first pass at each new length sets up its
+    kernels; in bf16 the first 256-token run took seconds); the median of `repeats` runs."""
     model, tokenizer, meta = load_checkpoint(checkpoint, dtype=DTYPES[dtype])
-    model = ar_stream(model)
     corpus = load_corpus(corpus_name or meta["corpus"], "test")
     texts = [p.source for p in corpus.pairs] if corpus.task == "seq2seq" else [d[:400] for d in corpus.documents]
     records = []
     for bs in batch_sizes:
-        prompts = [prompt_ids(tokenizer, meta["task"], t) for t in (texts * bs)[:bs]]
-        for method, use_cache in (("ar", True), ("ar-nocache", False)):
-            # a whole warm-up run: the first pass at each new length sets up its kernels (in bf16 here, the
-            # first 256-token run took seconds), which is not what a cached step costs
-            generate(model, prompts, new_tokens, pad_id=tokenizer.pad_id, eos_id=None, use_cache=use_cache)
-            times = []
-            for _ in range(repeats):
-                result = generate(model, prompts, new_tokens, pad_id=tokenizer.pad_id, eos_id=None,
-                                  use_cache=use_cache)
-                times.append(result.seconds)
-            seconds = sorted(times)[len(times) // 2]
-            records.append(BenchRecord(
-                method=method, task=Path(corpus.name).name, batch_size=bs,
-                prompt_tokens=round(sum(map(len, prompts)) / bs), new_tokens=new_tokens,
-                latency_ms=round(1000 * seconds, 1), tokens_per_s=round(bs * new_tokens / seconds, 1),
-                forward_passes=result.forward_passes, dtype=dtype))
+        for name, use_cache in (("ar", True), ("ar-nocache", False)):
+            method = ARMethod(ar_stream(model), tokenizer, meta["task"], use_cache=use_cache)
+            prompts = [method.prompt(t) for t in (texts * bs)[:bs]]
+            settings = method.settings(Options())
+            runs = _run(method, settings, prompts, [range(bs)] * repeats, lambda rows: new_tokens, ignore_eos=True)
+            median = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
+            records.append(_record(name, Path(corpus.name).name, prompts, [median], batch_size=bs, dtype=dtype))
     return records
 
 
@@ -77,6 +95,32 @@ def _prompts(corpus, n_prompts: int) -> tuple[list[str], list[str]]:
     return [d[i:i + 300] for d, i in starts], [d[i + 300:i + 1500] for d, i in starts]
 
 
+def _budget(prompts: list[list[int]], new_tokens: int, seq2seq: bool):
+    """New tokens for a batch: seq2seq stops at eos, at most 2x the longest AR prompt of the batch + 16 (and
+    `new_tokens`); continuation makes exactly `new_tokens`."""
+    if not seq2seq:
+        return lambda rows: new_tokens
+    return lambda rows: min(2 * max(len(prompts[i]) for i in rows) + 16, new_tokens)
+
+
+def lossless_methods(model, tokenizer, task: str, draft_model, k: int, plan_threshold: float,
+                     plan_slot: int) -> dict:
+    """The lossless bench's methods by name, all verifying with the same AR weights."""
+    ar = ar_stream(model)
+    k_refusion = min(k, model.config.block) if isinstance(model, RefusionModel) else k  # it drafts `block` a pass
+    return {
+        "ar": lambda: ARMethod(ar, tokenizer, task),
+        "ar+prompt-lookup": lambda: ARMethod(ar, tokenizer, task, proposer=PromptLookup(), k=k),
+        "ar+draft": lambda: ARMethod(ar, tokenizer, task, proposer=DraftModel(draft_model), k=k),
+        "refusion": lambda: RefusionMethod(model, tokenizer, task, k=k_refusion),
+        "refusion-dynamic": lambda: RefusionMethod(model, tokenizer, task, k=k_refusion,
+                                                   schedule=DraftSchedule(dynamic=True)),
+        "refusion-infill": lambda: RefusionMethod(model, tokenizer, task, k=k_refusion,
+                                                  schedule=DraftSchedule(plan_threshold=plan_threshold,
+                                                                         plan_slot=plan_slot)),
+    }
+
+
 def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, n_prompts: int, new_tokens: int,
                    k: int, batch_sizes: list[int], methods: list[str], plan_threshold: float = 0.9, plan_slot: int = 1,
                    split: str = "test") -> list[BenchRecord]:
@@ -85,89 +129,64 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
     (valid when comparing training choices). All are lossless but `refusion-infill` (plan-and-infill,
     keeping diffusion drafts at least `plan_threshold` confident, in slots of `plan_slot` tokens).
 
-    seq2seq runs stop at eos (at most 2x the longest source of the batch + 16 tokens); continuation runs
-    make exactly `new_tokens` (eos ignored). Outputs are scored against the references (the real
-    continuation, for continuation) and compared with plain AR's token for token.
+    seq2seq runs stop at eos (`_budget`); continuation runs make exactly `new_tokens` (eos ignored). Outputs
+    are scored against the references (the real continuation, for continuation) and compared with plain
+    AR's token for token.
     """
     model, tokenizer, meta = load_checkpoint(checkpoint)
-    ar = ar_stream(model)
     if any(m.startswith("refusion") for m in methods) and meta["kind"] != "refusion":
         raise DiffarError(f"{checkpoint} is an AR checkpoint; the refusion methods need a ReFusion one")
     draft_model = load_ar(draft, tokenizer, "--draft") if "ar+draft" in methods else None
+    builders = lossless_methods(model, tokenizer, meta["task"], draft_model, k, plan_threshold, plan_slot)
+    unknown = set(methods) - set(builders)
+    if unknown:
+        raise DiffarError(f"unknown method(s) {', '.join(sorted(unknown))}; choose from {', '.join(builders)}")
     corpus = load_corpus(corpus_name or meta["corpus"], split)
     texts, references = _prompts(corpus, n_prompts)
     if not texts:
         raise DiffarError(f"{corpus.name} gives no {split} prompts")
-    eos = tokenizer.eos_id if corpus.task == "seq2seq" else None
-    prompts = [prompt_ids(tokenizer, meta["task"], t) for t in texts]
-    words = [len(t.split()) for t in texts]
-    k_refusion = min(k, model.config.block) if meta["kind"] == "refusion" else k  # it drafts `block` per pass
-    runners = {
-        "ar": lambda ps, n, w: generate(ar, ps, n, pad_id=tokenizer.pad_id, eos_id=eos),
-        "ar+prompt-lookup": lambda ps, n, w: speculative_generate(ar, PromptLookup(), ps, n, k=k, eos_id=eos),
-        "ar+draft": lambda ps, n, w: speculative_generate(ar, DraftModel(draft_model), ps, n, k=k, eos_id=eos),
-        "refusion": lambda ps, n, w: refusion_generate(model, ps, n, k=k_refusion, eos_id=eos),
-        "refusion-dynamic": lambda ps, n, w: refusion_generate(model, ps, n, k=k_refusion, eos_id=eos, prompt_words=w,
-                                                               schedule=DraftSchedule(dynamic=True)),
-        "refusion-infill": lambda ps, n, w: refusion_generate(model, ps, n, k=k_refusion, eos_id=eos,
-                                                              schedule=DraftSchedule(plan_threshold=plan_threshold,
-                                                                                     plan_slot=plan_slot)),
-    }
-    unknown = set(methods) - set(runners)
-    if unknown:
-        raise DiffarError(f"unknown method(s) {', '.join(sorted(unknown))}; choose from {', '.join(runners)}")
+    seq2seq = corpus.task == "seq2seq"
     records = []
     for bs in batch_sizes:
-        batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
+        batches = _batches(len(texts), bs)
         reference_outputs = None
-        for method in methods:
-            run = runners[method]
-            run([prompts[i] for i in batches[0]], 8, [words[i] for i in batches[0]])  # warm-up
-            outs, seconds, passes, row_passes, draft_passes, drafted, accepted = [], 0.0, 0, 0, 0, 0, 0
-            for rows in batches:
-                batch = [prompts[i] for i in rows]
-                budget = min(2 * max(map(len, batch)) + 16, new_tokens) if eos is not None else new_tokens
-                r = run(batch, budget, [words[i] for i in rows])
-                ar_passes = r.forward_passes if method == "ar" else r.target_passes
-                outs += r.tokens
-                seconds += r.seconds
-                passes, row_passes = passes + ar_passes, row_passes + ar_passes * len(rows)
-                draft_passes += getattr(r, "draft_passes", 0)
-                drafted, accepted = drafted + getattr(r, "drafted", 0), accepted + getattr(r, "accepted", 0)
+        for name in methods:
+            method = builders[name]()
+            prompts = [method.prompt(t) for t in texts]
+            results = _run(method, method.settings(Options()), prompts, batches, _budget(prompts, new_tokens, seq2seq),
+                           ignore_eos=not seq2seq)
+            outs = [t for r in results for t in r.tokens]
             reference_outputs = reference_outputs or outs
-            new = sum(map(len, outs))
+            row_passes = sum(r.passes["target"] * len(r.tokens) for r in results)
+            drafted, accepted = (sum(r.extra.get(key, 0) for r in results) for key in ("drafted", "accepted"))
             quality = text_metrics([tokenizer.decode(o).strip() for o in outs], references)
-            records.append(BenchRecord(
-                method=method, task=Path(corpus.name).name, batch_size=bs,
-                prompt_tokens=round(sum(map(len, prompts)) / len(prompts)), new_tokens=round(new / len(prompts)),
-                latency_ms=round(1000 * seconds / len(batches), 1), tokens_per_s=round(new / seconds, 1),
-                forward_passes=round(passes / len(batches)),
-                extra={"split": split, "prompts": len(prompts),
-                       "plan_threshold": plan_threshold if method == "refusion-infill" else None,
-                       "plan_slot": plan_slot if method == "refusion-infill" else None,
-                       "k": None if method == "ar" else k_refusion if method.startswith("refusion") else k,
-                       "tokens_per_ar_pass": round(new / row_passes, 3),
-                       "draft_passes": round(draft_passes / len(batches)) if method != "ar" else None,
-                       "draft_acceptance": round(accepted / drafted, 3) if drafted else None,
-                       "exact_match_vs_ar": sum(a == b for a, b in zip(outs, reference_outputs)) / len(outs),
-                       "bleu4": quality["bleu4"], "rougeL": quality["rougeL"]}))
+            records.append(_record(name, Path(corpus.name).name, prompts, results, batch_size=bs, extra={
+                "split": split, "prompts": len(prompts),
+                "plan_threshold": plan_threshold if name == "refusion-infill" else None,
+                "plan_slot": plan_slot if name == "refusion-infill" else None,
+                "k": None if name == "ar" else method.k,
+                "tokens_per_ar_pass": round(sum(map(len, outs)) / row_passes, 3),
+                "draft_passes": round(_passes(results, "draft") / len(batches)) if name != "ar" else None,
+                "draft_acceptance": round(accepted / drafted, 3) if drafted else None,
+                "exact_match_vs_ar": sum(a == b for a, b in zip(outs, reference_outputs)) / len(outs),
+                "bleu4": quality["bleu4"], "rougeL": quality["rougeL"]}))
     return records
 
 
-DD2_METHODS = {  # name -> sampling (None: plain AR); dd2-hybrid: one step for 50 tokens, then AR; and dd2-N
-    "ar": None, "dd2-adaptive": DD2Sampling(adaptive=True), "dd2-hybrid": DD2Sampling(steps=1),
-    "dd2-speed": DD2Sampling.from_preset("speed"), "dd2-quality": DD2Sampling.from_preset("quality"),
+DD2_METHODS = {  # name -> options (None: plain AR); dd2-hybrid: one step for 50 tokens, then AR; and dd2-N
+    "ar": None, "dd2-adaptive": Options(adaptive=True), "dd2-hybrid": Options(steps=1),
+    "dd2-speed": Options(preset="speed"), "dd2-quality": Options(preset="quality"),
 }
 
 
-def dd2_method(name: str) -> DD2Sampling | None:
-    """The sampling a bench method name stands for: one of DD2_METHODS, dd2-N (N DDIM steps), dd2-NxK (the
+def dd2_options(name: str) -> Options | None:
+    """The options a bench method name stands for: one of DD2_METHODS, dd2-N (N DDIM steps), dd2-NxK (the
     best of K N-step samples by the AR model) or dd2-NxK-self (by the generator's own decoder)."""
     if name in DD2_METHODS:
         return DD2_METHODS[name]
     match = re.fullmatch(r"dd2-([0-9]+)(?:x([0-9]+)(-self)?)?", name)
     if match and int(match[1]) > 0 and int(match[2] or 1) > 0:
-        return DD2Sampling(steps=int(match[1]), best_of=int(match[2] or 1))
+        return Options(steps=int(match[1]), best_of=int(match[2] or 1))
     raise DiffarError(f"unknown method {name!r}; choose dd2-N (N sampling steps), dd2-NxK (the AR model's pick of "
                       f"K N-step samples), dd2-NxK-self (the decoder's own pick) or {', '.join(DD2_METHODS)}")
 
@@ -175,82 +194,64 @@ def dd2_method(name: str) -> DD2Sampling | None:
 def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_prompts: int, new_tokens: int,
               batch_sizes: list[int], methods: list[str], seed: int = 0, split: str = "test",
               dtype: str = "fp32") -> list[BenchRecord]:
-    """Greedy AR (KV cache) against DD2 sampling with 1/30/50/100 steps, the seed's presets and hybrid
-    sampling, on the same prompts in the same batches, from `split` (valid when comparing training choices,
-    so that no choice is tuned on the test split). seq2seq: the sources, AR stops at eos (at most
-    2x the longest source + 16 tokens), DD2 fills its canvas; continuation: exactly `new_tokens` per row from
-    every method (DD2 canvas after canvas). Quality: BLEU-4, chrF and ROUGE-L against the references, and for
-    continuation the AR model's perplexity of each method's output and its repetition (seq-rep-4). `dtype`
-    applies to both models (the baseline's speed and text change with it too)."""
+    """Greedy AR (KV cache) against DD2 sampling with 1/30/50/100 steps, the DD2 seed post's presets and
+    hybrid sampling, on the same prompts in the same batches, from `split` (valid when comparing training
+    choices, so that no choice is tuned on the test split). seq2seq: the sources, AR stops at eos (`_budget`),
+    DD2 fills its canvas; continuation: exactly `new_tokens` per row from every method (DD2 canvas after
+    canvas). Quality: BLEU-4, chrF and ROUGE-L against the references, and for continuation the AR model's
+    perplexity of each method's output and its repetition (seq-rep-4). `dtype` applies to both models (the
+    baseline's speed and text change with it too)."""
     model, tokenizer, meta = load_checkpoint(checkpoint, dtype=DTYPES[dtype])
     if meta["kind"] != "dd2":
         raise DiffarError(f"{checkpoint} is a {meta['kind']} checkpoint; bench dd2 needs a DD2 one")
-    ar = load_ar(ar_checkpoint, tokenizer, "--ar", task=meta["task"], dtype=DTYPES[dtype])
-    samplings = {method: dd2_method(method) for method in methods}
+    task = meta["task"]
+    ar = load_ar(ar_checkpoint, tokenizer, "--ar", task=task, dtype=DTYPES[dtype])
+    options = {name: dd2_options(name) for name in methods}
     corpus = load_corpus(corpus_name or meta["corpus"], split)
-    if corpus.task != meta["task"]:
-        raise DiffarError(f"{corpus.name} is a {corpus.task} corpus but the checkpoint was trained for {meta['task']}")
+    if corpus.task != task:
+        raise DiffarError(f"{corpus.name} is a {corpus.task} corpus but the checkpoint was trained for {task}")
     texts, references = _prompts(corpus, n_prompts)
     if not texts:
         raise DiffarError(f"{corpus.name} gives no {split} prompts")
     seq2seq = corpus.task == "seq2seq"
-    eos = tokenizer.eos_id if seq2seq else None
-    prompts = [prompt_ids(tokenizer, meta["task"], t) for t in texts]
-    fits = [not seq2seq or len(p) - 1 <= model.config.max_source_len for p in prompts]
+    plain = DD2Method(model, tokenizer, task)
+    fits = [plain.room(plain.prompt(t)) > 0 for t in texts]
     if not all(fits):  # sources longer than the denoiser reads are left out for every method alike
         print(f"note: {fits.count(False)} {split} sources longer than {model.config.max_source_len} tokens left out")
-        prompts, references = [p for p, ok in zip(prompts, fits) if ok], [r for r, ok in zip(references, fits) if ok]
-        if not prompts:
+        texts, references = [t for t, ok in zip(texts, fits) if ok], [r for r, ok in zip(references, fits) if ok]
+        if not texts:
             raise DiffarError(f"no {split} source of {corpus.name} fits the model's "
                               f"{model.config.max_source_len} tokens")
-    sources = [p[:-1] if seq2seq else p[-model.config.vqvae.prompt_len:] for p in prompts]
-    judged = [ar_prompt(tokenizer, meta["task"], s) for s in sources]  # the judge reads what the generator reads
+    baseline = ARMethod(ar, tokenizer, task)
+    ar_prompts = [baseline.prompt(t) for t in texts]
+    budget = _budget(ar_prompts, new_tokens, seq2seq)
     records = []
     for bs in batch_sizes:
-        batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
-        for method in methods:
-            sampling = samplings[method]
-            judge = None if method.endswith("-self") else ar  # who picks among best_of samples
-            generator = torch.Generator().manual_seed(seed)
-
-            def run(rows, n):
-                if sampling is None:
-                    return generate(ar, [prompts[i] for i in rows], n, pad_id=tokenizer.pad_id, eos_id=eos)
-                decode = dict(sampling=sampling, eos_id=eos, pad_id=tokenizer.pad_id, generator=generator)
-                if method == "dd2-hybrid":
-                    return hybrid_generate(model, ar, [sources[i] for i in rows], [prompts[i] for i in rows], n,
-                                           **decode)
-                if sampling.best_of > 1:
-                    return best_of_generate(model, judge, [sources[i] for i in rows], [judged[i] for i in rows], n,
-                                            **decode)
-                return dd2_generate(model, [sources[i] for i in rows], n, **decode)
-
-            run(batches[0], 8)  # warm-up
-            outs, seconds, passes, steps, taus = [], 0.0, 0, [], []
-            for rows in batches:
-                budget = min(2 * max(len(prompts[i]) for i in rows) + 16, new_tokens) if seq2seq else new_tokens
-                r = run(rows, budget)
-                outs += r.tokens
-                seconds, passes = seconds + r.seconds, passes + r.forward_passes
-                steps.append(getattr(r, "steps", None))
-                taus.append(round(r.tau, 4) if hasattr(r, "tau") else None)
-            new = sum(map(len, outs))
-            quality = text_metrics([tokenizer.decode(o).strip() for o in outs], references)
-            extra = {"split": split, "prompts": len(prompts), "steps": steps[0] if len(set(steps)) == 1 else "adaptive",
-                     "best_of": sampling.best_of if sampling else None,
-                     "judge": ("decoder" if judge is None else "ar") if sampling and sampling.best_of > 1 else None,
-                     "guidance_scale": sampling.guidance_scale if sampling else None,
-                     "tau_max": sampling.tau_max if sampling else None,
-                     "tau": taus[0] if len(set(taus)) == 1 else "adaptive", **quality}
+        batches = _batches(len(texts), bs)
+        for name in methods:
+            if options[name] is None:
+                method = baseline
+            else:  # the AR model judges best-of-n samples (but for -self) and continues hybrid's prefix
+                method = DD2Method(model, tokenizer, task, judge=None if name.endswith("-self") else ar,
+                                   hybrid=ar if name == "dd2-hybrid" else None)
+            settings = method.settings(options[name] or Options())
+            results = _run(method, settings, [method.prompt(t) for t in texts], batches, budget,
+                           generator=torch.Generator().manual_seed(seed), ignore_eos=not seq2seq)
+            outs = [t for r in results for t in r.tokens]
+            steps, taus = ({r.extra.get(key) for r in results} for key in ("steps", "tau"))
+            dd2 = options[name] is not None
+            extra = {"split": split, "prompts": len(texts), "steps": steps.pop() if len(steps) == 1 else "adaptive",
+                     "best_of": settings.best_of if dd2 else None,
+                     "judge": ("decoder" if method.judge is None else "ar") if dd2 and settings.best_of > 1 else None,
+                     "guidance_scale": settings.guidance_scale if dd2 else None,
+                     "tau_max": settings.tau_max if dd2 else None,
+                     "tau": (round(taus.pop(), 4) if len(taus) == 1 else "adaptive") if dd2 else None,
+                     **text_metrics([tokenizer.decode(o).strip() for o in outs], references)}
             if not seq2seq:
-                extra["ar_perplexity"] = round(conditional_perplexity(ar, [prompts[i] for i in range(len(outs))],
-                                                                      outs), 2)
+                extra["ar_perplexity"] = round(conditional_perplexity(ar, ar_prompts, outs), 2)
                 extra["seq_rep4"] = round(repetition(outs), 1)
-            records.append(BenchRecord(
-                method=method, task=Path(corpus.name).name, batch_size=bs,
-                prompt_tokens=round(sum(map(len, prompts)) / len(prompts)), new_tokens=round(new / len(prompts)),
-                latency_ms=round(1000 * seconds / len(batches), 1), tokens_per_s=round(new / seconds, 1),
-                forward_passes=round(passes / len(batches)), dtype=dtype, extra=extra))
+            records.append(_record(name, Path(corpus.name).name, ar_prompts, results, batch_size=bs, dtype=dtype,
+                                   extra=extra))
     return records
 
 

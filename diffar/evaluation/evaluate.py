@@ -15,33 +15,34 @@ import time
 import torch
 
 from diffar.checkpoint import ar_stream, load_checkpoint
-from diffar.data.batching import CanvasDataset, build_dataset, canvas_examples, prompt_ids
+from diffar.data.batching import CanvasDataset, build_dataset, canvas_examples
 from diffar.data.corpora import EMBEDDED, load_corpus
-from diffar.decoding.ar import generate
 from diffar.errors import DiffarError
 from diffar.evaluation.hardware import cpu_name
 from diffar.evaluation.metrics import mean_nll, perplexity, text_metrics
+from diffar.generation import ARMethod, Options
 from diffar.models.vqvae import TextVQVAE
 
 
 @torch.inference_mode()
-def translate(model, tokenizer, sources: list[str], batch_size: int) -> tuple[list[str], float, int]:
+def translate(method: ARMethod, sources: list[str], batch_size: int) -> tuple[list[str], float, int]:
     """Greedy-decode every source (length-sorted batches); returns (outputs, seconds, new tokens)."""
-    ids = [prompt_ids(tokenizer, "seq2seq", s) for s in sources]
+    ids = [method.prompt(s) for s in sources]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     outputs: list[str] = [""] * len(ids)
     seconds, new_tokens = 0.0, 0
-    ctx = model.config.max_seq_len
+    greedy = method.settings(Options())
     for i in range(0, len(order), batch_size):
         rows = order[i:i + batch_size]
         longest = max(len(ids[r]) for r in rows)
-        budget = min(ctx - longest, 2 * longest + 16)
+        budget = min(method.room(ids[rows[-1]]), 2 * longest + 16)
         if budget <= 0:
-            raise DiffarError(f"a source of {longest} tokens leaves no room in the {ctx}-token context")
-        result = generate(model, [ids[r] for r in rows], budget, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id)
+            raise DiffarError(f"a source of {longest} tokens leaves no room in the "
+                              f"{method.model.config.max_seq_len}-token context")
+        result = method.generate([ids[r] for r in rows], budget, greedy)
         seconds, new_tokens = seconds + result.seconds, new_tokens + result.new_tokens
         for r, toks in zip(rows, result.tokens):
-            outputs[r] = tokenizer.decode(toks).strip()
+            outputs[r] = method.tokenizer.decode(toks).strip()
     return outputs, seconds, new_tokens
 
 
@@ -95,7 +96,7 @@ def evaluate_checkpoint(checkpoint: str, corpus_name: str | None, split: str, li
         pairs = corpus.pairs[:limit] if limit else corpus.pairs
         sources, references = [p.source for p in pairs], [p.target for p in pairs]
         t0 = time.perf_counter()
-        outputs, gen_seconds, new_tokens = translate(model, tokenizer, sources, batch_size)
+        outputs, gen_seconds, new_tokens = translate(ARMethod(model, tokenizer, corpus.task), sources, batch_size)
         report.update(examples=len(pairs), model=text_metrics(outputs, references),
                       copy_source_baseline=text_metrics(sources, references),
                       generation_seconds=round(gen_seconds, 2), new_tokens=new_tokens,

@@ -1,4 +1,5 @@
-"""DD2 stage 2: diffusion in the latent space of a trained text autoencoder (seed `dd2.zh.txt`).
+"""DD2 stage 2: diffusion in the latent space of a trained text autoencoder (the DD2 seed post,
+`seeds/dd2.zh.txt`).
 
     source tokens (S) ++ noised canvas latents z_t (N)  ->  bidirectional transformer  ->  eps or z0 (N)
 
@@ -17,7 +18,7 @@ Two parameterisations (`prediction`):
   (DDPM, DDIM) turn eps into z0 with the one-step formula.
 - "x0" (`diffar distill dd2`): the network predicts z0 directly, trained on the AR teacher's outputs. At
   t = 1 the eps->z0 conversion divides by sqrt(alpha_bar(1)) ~ 0.003 and would blow every error up 300-fold;
-  an x0 network makes the one-step jump its plain output. The seed's multi-granularity loss applies here:
+  an x0 network makes the one-step jump its plain output. It trains on the DD2 seed post's multi-granularity loss:
       mse_weight * ||z0_hat - z0||^2 + ce_weight * CE(decoder(z0_hat), teacher tokens)
       + bleu_weight * minimum-risk expected BLEU + semantic_weight * (1 - cos(mean embeddings))
       + energy_weight * the AR teacher's energy of the one-step output (`teacher_energy`)
@@ -32,14 +33,14 @@ their source; sampling mixes the conditional and unconditional outputs by `guida
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 
 import sacrebleu
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffar.config import Config
 from diffar.diffusion.scheduler import PREDICTIONS
 from diffar.diffusion.schedules import KINDS, NoiseSchedule
 from diffar.errors import DiffarError
@@ -54,7 +55,7 @@ PRESETS: dict[str, dict] = {
 
 
 @dataclass
-class DD2Config:
+class DD2Config(Config, presets=PRESETS, nested={"vqvae": VQVAEConfig, "source_encoder": TransformerConfig}):
     vqvae: VQVAEConfig = field(default_factory=VQVAEConfig)
     n_layer: int = 6
     n_head: int = 8
@@ -77,12 +78,8 @@ class DD2Config:
     source_encoder: TransformerConfig | None = None  # a frozen AR model whose hidden states join the source prefix
     preset: str = ""
 
-    def __post_init__(self):
-        if isinstance(self.vqvae, dict):
-            self.vqvae = VQVAEConfig.from_dict(self.vqvae)
-        if isinstance(self.source_encoder, dict):
-            self.source_encoder = TransformerConfig.from_dict(self.source_encoder)
-        checks = [
+    def checks(self):
+        return [
             (self.schedule in KINDS, f"unknown noise schedule {self.schedule!r}; choose one of {', '.join(KINDS)}"),
             (self.prediction in PREDICTIONS, f"unknown prediction {self.prediction!r}; choose one of "
                                              f"{', '.join(PREDICTIONS)}"),
@@ -92,28 +89,13 @@ class DD2Config:
             (self.latent_scale > 0, f"latent_scale must be positive, got {self.latent_scale}"),
             (self.bleu_samples > 1, f"bleu_samples must be at least 2, got {self.bleu_samples}"),
             (self.source_encoder is None or self.source_encoder.vocab_size == self.vqvae.vocab_size,
-             "the source encoder's vocabulary differs from the autoencoder's"),
+             "source_encoder's vocabulary differs from the autoencoder's"),
+            *self.nonnegative("mse_weight", "ce_weight", "bleu_weight", "semantic_weight", "energy_weight"),
         ]
-        checks += [(w >= 0 and math.isfinite(w), f"loss weights must be >= 0, got {w}")
-                   for w in (self.mse_weight, self.ce_weight, self.bleu_weight, self.semantic_weight,
-                             self.energy_weight)]
-        for ok, message in checks:
-            if not ok:
-                raise DiffarError(message)
 
     @classmethod
     def from_preset(cls, name: str, vqvae: VQVAEConfig, **overrides) -> DD2Config:
-        if name not in PRESETS:
-            raise DiffarError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-        return cls(vqvae=vqvae, **{**PRESETS[name], **overrides, "preset": name})
-
-    @classmethod
-    def from_dict(cls, d: dict) -> DD2Config:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+        return super().from_preset(name, vqvae=vqvae, **overrides)
 
     def canvas_width(self, source_len: int) -> int:
         """Canvas positions for a source: sized by it for seq2seq (the text ends at <eos> within it), the

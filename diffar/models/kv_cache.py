@@ -2,7 +2,7 @@
 
 Slots are shared across the batch: slot s of every row was written by the same forward call.
 Left padding and per-row positions are the decoder's business (see diffar/decoding/ar.py);
-the cache only stores and returns. Rolling back is free: later calls overwrite from `start`.
+the cache only stores, returns and compacts. Rolling back is free: later calls overwrite from `start`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from torch import nn
 
 
 class KVCache(nn.Module):
-    def __init__(self, batch_size: int, n_head: int, max_len: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, batch_size: int, n_kv_head: int, max_len: int, head_dim: int, dtype: torch.dtype):
+        """n_kv_head: the key/value heads, fewer than the query heads under grouped-query attention."""
         super().__init__()
-        shape = (batch_size, n_head, max_len, head_dim)
+        shape = (batch_size, n_kv_head, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
 
@@ -30,3 +31,10 @@ class KVCache(nn.Module):
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Gather slots keep (B, w), row by row and in the given order, into slots [0, w): how a
+        draft-and-verify decoder drops its rejected slots without re-running the kept tokens."""
+        index = keep[:, None, :, None].expand(-1, self.k.shape[1], -1, self.k.shape[3])
+        w = keep.shape[1]
+        self.k[:, :, :w], self.v[:, :, :w] = self.k.gather(2, index), self.v.gather(2, index)

@@ -1,4 +1,5 @@
-"""ReFusion: an AR stream and a diffusion stream joined by cross-attention fusion (seed `refusion.zh.txt`).
+"""ReFusion: an AR stream and a diffusion stream joined by cross-attention fusion (the ReFusion seed post,
+`seeds/refusion.zh.txt`).
 
 - The AR stream is the foundation's `Transformer`; it alone decides what text is produced.
 - `TextDiffuser`, the diffusion stream, denoises a block of token embeddings. Its first slot holds the
@@ -19,13 +20,14 @@ fusion): the KL term's reference is then the data's one-hot, i.e. cross-entropy 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from diffar.config import Config
 from diffar.data.batching import IGNORE_INDEX
 from diffar.diffusion.schedules import KINDS, NoiseSchedule
 from diffar.errors import DiffarError
@@ -41,7 +43,7 @@ STAGES = ("diffusion", "joint")
 
 
 @dataclass
-class RefusionConfig:
+class RefusionConfig(Config, presets=PRESETS, nested={"ar": TransformerConfig}):
     ar: TransformerConfig = field(default_factory=TransformerConfig)
     ar_preset: str = "small"
     n_layer: int = 2  # diffusion stream
@@ -64,13 +66,14 @@ class RefusionConfig:
     preset: str = ""
 
     def __post_init__(self):
-        if isinstance(self.ar, dict):
-            self.ar = TransformerConfig.from_dict(self.ar)
         if self.diffusion_fusion_layers is None:
             self.diffusion_fusion_layers = tuple(range(self.n_layer))
         self.diffusion_fusion_layers, self.ar_fusion_layers = (tuple(self.diffusion_fusion_layers),
                                                                tuple(self.ar_fusion_layers))
-        checks = [
+        super().__post_init__()
+
+    def checks(self):
+        return [
             (self.block > 0, f"block size must be positive, got {self.block}"),
             (self.anchors > 0, f"anchors must be positive, got {self.anchors}"),
             (self.schedule in KINDS, f"unknown noise schedule {self.schedule!r}; choose one of {', '.join(KINDS)}"),
@@ -81,29 +84,16 @@ class RefusionConfig:
             (all(0 <= i < self.ar.n_layer for i in self.ar_fusion_layers),
              f"AR fusion layers {self.ar_fusion_layers} must lie in 0..{self.ar.n_layer - 1}"),
             (self.d_model % self.fusion_heads == 0 and self.ar.d_model % self.fusion_heads == 0,
-             f"fusion heads {self.fusion_heads} must divide both streams' widths"),
+             f"fusion_heads {self.fusion_heads} must divide both streams' widths"),
+            *self.nonnegative("ar_weight", "mse_weight", "kl_weight"),
         ]
-        checks += [(w >= 0 and math.isfinite(w), f"loss weights must be >= 0, got {w}")
-                   for w in (self.ar_weight, self.mse_weight, self.kl_weight)]
-        for ok, message in checks:
-            if not ok:
-                raise DiffarError(message)
 
     @classmethod
     def from_preset(cls, name: str, vocab_size: int, **overrides) -> RefusionConfig:
-        if name not in PRESETS:
-            raise DiffarError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-        settings = {**PRESETS[name], **overrides}
-        ar = TransformerConfig.from_preset(settings["ar_preset"], vocab_size=vocab_size)
-        return cls(ar=ar, **settings, preset=name)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> RefusionConfig:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+        """The AR stream comes from its own preset, `ar_preset`."""
+        ar_preset = {**cls.preset_settings(name), **overrides}["ar_preset"]
+        return super().from_preset(name, ar=TransformerConfig.from_preset(ar_preset, vocab_size=vocab_size),
+                                   **overrides)
 
     def stream_config(self) -> TransformerConfig:
         """The diffusion stream's transformer shape (its 'sequence' is one block plus the anchor slot)."""
@@ -233,14 +223,13 @@ class RefusionModel(nn.Module):
     def ar_hidden(self, tokens: torch.Tensor, block_states: torch.Tensor | None = None,
                   block_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """The AR stream's final hidden states; with AR-side fusion, reading `block_states`."""
-        fuse = None
-        if self.ar_fusion and block_states is not None:
-            def fuse(i: int, x: torch.Tensor) -> torch.Tensor:
-                if str(i) not in self.ar_fusion:
-                    return x
-                layer = self.ar_fusion[str(i)]
-                return layer(x, layer.keys_values(block_states), block_mask)
-        return self.ar.hidden_states(tokens, fuse=fuse, **kwargs)
+        def fuse(i: int, x: torch.Tensor) -> torch.Tensor:
+            if str(i) not in self.ar_fusion:
+                return x
+            layer = self.ar_fusion[str(i)]
+            return layer(x, layer.keys_values(block_states), block_mask)
+        reads_block = bool(self.ar_fusion) and block_states is not None
+        return self.ar.hidden_states(tokens, fuse=fuse if reads_block else None, **kwargs)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced training pass -> (the diffusion stream's logits at the drafted slots (M, V), loss).

@@ -1,4 +1,5 @@
-"""Decoder-only transformer: RoPE, RMSNorm, SwiGLU, tied embeddings, PyTorch SDPA.
+"""Decoder-only transformer: RoPE, RMSNorm, SwiGLU, tied embeddings, PyTorch SDPA; grouped-query attention
+and an untied output layer for imported Llama-family models.
 
 Used as the AR baseline and as the AR stream of the diffusion models. For seq2seq it reads
 `source <sep> target` causally with the loss on the target only (data/batching.py).
@@ -8,13 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from diffar.config import Config
 from diffar.data.batching import IGNORE_INDEX
 from diffar.errors import DiffarError
 from diffar.models.kv_cache import KVCache
@@ -27,40 +29,44 @@ PRESETS: dict[str, dict] = {
 
 
 @dataclass
-class TransformerConfig:
+class TransformerConfig(Config, presets=PRESETS):
     vocab_size: int = 8192
     n_layer: int = 6
     n_head: int = 8
     d_model: int = 256
     max_seq_len: int = 512
     ffn_hidden: int = field(default=0)  # 0: 8/3 * d_model rounded up to a multiple of 64 (LLaMA's SwiGLU sizing)
-    rope_base: float = 10000.0
+    rope_base: float = 10000.0  # Llama's rope_theta
     norm_eps: float = 1e-5
+    n_kv_head: int = 0  # 0: n_head; fewer: grouped-query attention (Ainslie et al. 2023, arXiv 2305.13245)
+    head_dim: int = 0  # 0: d_model // n_head; an imported model may set its own
+    tie_embeddings: bool = True  # the output layer is the token embedding; imported Llamas may untie it
     preset: str = ""
 
+    def checks(self):
+        """Lazily, so that each rule may lean on the ones before it."""
+        ints = ("vocab_size", "n_layer", "n_head", "d_model", "max_seq_len", "ffn_hidden", "n_kv_head", "head_dim")
+        for name in ints:
+            value = getattr(self, name)
+            yield isinstance(value, int) and not isinstance(value, bool), f"{name} must be an integer, got {value!r}"
+            optional = name in ("ffn_hidden", "n_kv_head", "head_dim")  # 0 means "derive it"
+            yield value >= 0 if optional else value > 0, f"{name} must be {'>= 0' if optional else 'positive'}, got {value}"
+        for name in ("rope_base", "norm_eps"):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+            yield ok, f"{name} must be a positive number, got {value!r}"
+        yield bool(self.head_dim) or self.d_model % self.n_head == 0, \
+            f"d_model {self.d_model} must split into {self.n_head} heads"
+        yield (self.head_dim or self.d_model // self.n_head) % 2 == 0, \
+            f"head_dim {self.head_dim or self.d_model // self.n_head} must be even (RoPE rotates pairs)"
+        yield self.n_head % (self.n_kv_head or self.n_head) == 0, \
+            f"n_kv_head {self.n_kv_head} must divide n_head {self.n_head}"
+
     def __post_init__(self):
-        if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
-            raise DiffarError(f"d_model {self.d_model} must split into {self.n_head} heads of even width")
-        if not self.ffn_hidden:
-            self.ffn_hidden = 64 * math.ceil(8 * self.d_model / 3 / 64)
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
-    @classmethod
-    def from_preset(cls, name: str, **overrides) -> TransformerConfig:
-        if name not in PRESETS:
-            raise DiffarError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides, "preset": name})
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TransformerConfig:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+        super().__post_init__()
+        self.head_dim = self.head_dim or self.d_model // self.n_head
+        self.n_kv_head = self.n_kv_head or self.n_head
+        self.ffn_hidden = self.ffn_hidden or 64 * math.ceil(8 * self.d_model / 3 / 64)
 
 
 class RMSNorm(nn.Module):
@@ -89,22 +95,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.widths = (cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim)
+        self.qkv = nn.Linear(cfg.d_model, sum(self.widths), bias=False)
+        self.proj = nn.Linear(self.widths[0], cfg.d_model, bias=False)
         self.kv_cache: KVCache | None = None
 
     def forward(self, x, cos, sin, attn_mask, cache_start):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in self.qkv(x).split(self.widths, dim=-1))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache_start is not None:
             k, v = self.kv_cache.update(cache_start, k, v)
         if attn_mask is None and 1 < T != k.shape[2]:
             raise ValueError("a multi-token forward after cached tokens needs an explicit attn_mask")
         # Without a mask: causal, and a single new token sees the whole cache.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and T > 1)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and T > 1,
+                                           enable_gqa=self.n_kv_head != self.n_head)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class SwiGLU(nn.Module):
@@ -160,14 +168,18 @@ class BidirectionalStack(nn.Module):
 
 
 class Transformer(nn.Module):
+    loss_is_nll = True  # the training loss is the next-token NLL (see training/trainer.Trainable)
+
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.config = cfg
+        self.loss_parts: dict[str, float] = {}  # one term: the loss itself
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.tok_emb.weight
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
         self.gradient_checkpointing = False  # recompute block activations in backward (less memory, ~1/3 slower)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -190,9 +202,8 @@ class Transformer(nn.Module):
         max_len = max_len or self.config.max_seq_len
         dtype = self.tok_emb.weight.dtype
         for block in self.blocks:
-            block.attn.kv_cache = KVCache(batch_size, self.config.n_head, max_len, self.config.head_dim, dtype).to(
-                self.tok_emb.weight.device
-            )
+            block.attn.kv_cache = KVCache(batch_size, self.config.n_kv_head, max_len, self.config.head_dim,
+                                          dtype).to(self.tok_emb.weight.device)
 
     def hidden_states(
         self,

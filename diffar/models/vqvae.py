@@ -15,13 +15,13 @@ The bottleneck is a product vector quantiser (EMA codebooks, dead-code restart) 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffar.errors import DiffarError
+from diffar.config import Config
 from diffar.models.quantizer import GaussianBottleneck, VectorQuantizer
 from diffar.models.transformer import BidirectionalStack, TransformerConfig
 
@@ -34,7 +34,7 @@ BOTTLENECKS = ("vq", "kl")
 
 
 @dataclass
-class VQVAEConfig:
+class VQVAEConfig(Config, presets=PRESETS):
     vocab_size: int = 8192
     n_layer: int = 2  # encoder and decoder each
     n_head: int = 8
@@ -55,8 +55,8 @@ class VQVAEConfig:
     target_len: int = 256
     preset: str = ""
 
-    def __post_init__(self):
-        checks = [
+    def checks(self):
+        return [
             (self.bottleneck in BOTTLENECKS, f"unknown bottleneck {self.bottleneck!r}; choose one of "
                                              f"{', '.join(BOTTLENECKS)}"),
             (self.d_latent > 0 and self.groups > 0 and self.d_latent % self.groups == 0,
@@ -68,23 +68,10 @@ class VQVAEConfig:
             (0 < self.target_len <= self.max_len and self.prompt_len > 0,
              f"target_len must be in 1..{self.max_len} and prompt_len positive"),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise DiffarError(message)
 
     @classmethod
     def from_preset(cls, name: str, vocab_size: int, **overrides) -> VQVAEConfig:
-        if name not in PRESETS:
-            raise DiffarError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides, "vocab_size": vocab_size, "preset": name})
-
-    @classmethod
-    def from_dict(cls, d: dict) -> VQVAEConfig:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+        return super().from_preset(name, **overrides, vocab_size=vocab_size)
 
     def width(self, source_len: int) -> int:
         """Canvas positions for a seq2seq source of `source_len` tokens (room for the text, <eos>, pads)."""

@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI-compatible completions and chat completions over the batching engine,
 server-sent-event streaming, Prometheus metrics, and errors in OpenAI's shape (4xx, never a 500).
-One server serves one model with its decoding method (serving/methods.py): AR, ReFusion or DD2."""
+One server serves one model with one generation method (diffar/generation): AR, ReFusion or DD2. The
+routes live here; a body becomes a request in serving/requests.py, requests are batched in engine.py."""
 
 from __future__ import annotations
 
@@ -15,22 +16,17 @@ from pathlib import Path
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from diffar.decoding.sampling import SamplingConfig
-from diffar.serving.engine import BatchStats, Engine, EngineDown, Event, QueueFull, Request
-from diffar.serving.methods import dd2_sampling
-from diffar.serving.protocol import METHODS, ChatCompletionRequest, CompletionRequest, error_body
+from diffar.generation import GenerationMethod
+from diffar.serving.engine import Engine, EngineDown, Event, QueueFull, Request
+from diffar.serving.metrics import Metrics
+from diffar.serving.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from diffar.serving.requests import APIError, build_request, choice, summary
 
 STATIC = Path(__file__).resolve().parent / "static"
 DISCONNECT_POLL_S = 5.0  # how often a waiting non-streaming request checks that its client is still there
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None):
-        self.status, self.body = status, error_body(message, type_, code, param)
 
 
 class CancellingStream(StreamingResponse):
@@ -48,40 +44,11 @@ class CancellingStream(StreamingResponse):
             self.generation.cancelled.set()
 
 
-class Metrics:
-    def __init__(self):
-        self.registry = CollectorRegistry()
-        self.requests = Counter("diffar_requests", "HTTP requests", ["path", "status"], registry=self.registry)
-        self.errors = Counter("diffar_errors", "HTTP responses with status >= 400", ["path", "status"],
-                              registry=self.registry)
-        self.latency = Histogram("diffar_request_latency_seconds", "time to response (headers, for streams)",
-                                 ["path"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-                                 registry=self.registry)
-        self.batch_size = Histogram("diffar_batch_size", "requests decoded together",
-                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
-        self.tokens = Counter("diffar_generated_tokens", "tokens generated", registry=self.registry)
-        self.tokens_per_s = Gauge("diffar_tokens_per_second", "tokens/s of the last batch", registry=self.registry)
-        self.queued = Gauge("diffar_queue_depth", "requests waiting for a batch", registry=self.registry)
-        self.cancelled = Counter("diffar_cancelled", "generations cut short by a client that went away",
-                                 registry=self.registry)
-        self.generation = Histogram("diffar_generation_seconds", "submit to last token (streams included)",
-                                    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
-                                    registry=self.registry)
-
-    def observe_batch(self, stats: BatchStats) -> None:
-        self.batch_size.observe(stats.size)
-        self.cancelled.inc(stats.cancelled)
-        self.tokens.inc(stats.new_tokens)
-        self.tokens_per_s.set(stats.new_tokens / stats.seconds if stats.seconds > 0 else 0.0)
-
-
-def create_app(method, tokenizer, meta: dict, model_id: str, *, max_batch_size: int = 16, window_ms: float = 10.0,
+def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int = 16, window_ms: float = 10.0,
                max_queue: int = 4096) -> FastAPI:
-    """`method`: an ARMethod, RefusionMethod or DD2Method over the loaded model."""
     metrics = Metrics()
-    engine = Engine(method, tokenizer, max_batch_size=max_batch_size, window_ms=window_ms, max_queue=max_queue,
-                    on_batch=metrics.observe_batch)
-    task, served_methods = meta["task"], (method.name,)
+    engine = Engine(method, method.tokenizer, max_batch_size=max_batch_size, window_ms=window_ms,
+                    max_queue=max_queue, on_batch=metrics.observe_batch)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -124,60 +91,6 @@ def create_app(method, tokenizer, meta: dict, model_id: str, *, max_batch_size: 
         metrics.latency.labels(path).observe(time.perf_counter() - t0)
         return response
 
-    def make_request(body, text: str) -> Request:
-        if body.model not in (None, model_id):
-            raise APIError(404, f"model {body.model!r} does not exist; this server has {model_id!r}",
-                           code="model_not_found", param="model")
-        if body.method is not None and body.method not in METHODS:
-            raise APIError(400, f"unknown method {body.method!r}; choose one of {', '.join(METHODS)}", param="method")
-        if body.method not in (None, method.name):
-            raise APIError(400, f"method {body.method!r} is not served here (serving: {', '.join(served_methods)})",
-                           param="method")
-        prompt_field = "prompt" if isinstance(body, CompletionRequest) else "messages"
-        if not text.strip():
-            raise APIError(400, "empty prompt", param=prompt_field)
-        ids = method.prompt(text)
-        room = method.room(ids)
-        if room <= 0:
-            raise APIError(400, f"the prompt ({len(ids)} tokens) is too long for this model",
-                           code="context_length_exceeded", param=prompt_field)
-        max_tokens = body.token_budget or min(256, room)
-        if max_tokens > room:
-            raise APIError(400, f"max_tokens ({max_tokens}) exceeds the {room} new tokens this prompt leaves room for",
-                           code="context_length_exceeded", param="max_tokens")
-        if body.best_of > 1 and method.name != "dd2":
-            raise APIError(400, f"best_of > 1 applies to method dd2; this server decodes with {method.name}",
-                           param="best_of")
-        if body.best_of > 1 and body.stream:
-            raise APIError(400, "best_of > 1 cannot be streamed: one sample is kept once every sample is done",
-                           param="best_of")
-        if body.best_of > 1 and method.judge is not None and max_tokens > method.judge_room(ids):
-            raise APIError(400, f"max_tokens ({max_tokens}) exceeds the {method.judge_room(ids)} tokens the judge can "
-                           "score after this prompt", code="context_length_exceeded", param="max_tokens")
-        if method.name == "dd2":
-            sampling = dd2_sampling(body.steps, body.guidance_scale, body.preset, body.best_of, body.tau, body.tau_min)
-            if body.tau is not None and body.tau_min is None and sampling.one_step:
-                raise APIError(400, "a one-step sample is read out at tau_min (tau(t) = max(tau_min, tau * (1 - t)) "
-                                    "at t = 1): tau needs more steps; send tau_min to sample it", param="tau")
-        else:
-            sampling = SamplingConfig(body.temperature, body.top_k, body.top_p)
-        return Request(ids, max_tokens, sampling, stop=body.stop_list(), seed=body.seed,
-                       fixed=pins(body.fixed_tokens or {}, max_tokens), stream=body.stream)
-
-    def pins(fixed: dict[int, int | str], max_tokens: int) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for pos, value in sorted(fixed.items()):
-            ids = tokenizer.encode(value) if isinstance(value, str) else [value]
-            if not ids or any(not 0 <= t < tokenizer.vocab_size for t in ids):
-                raise APIError(400, f"fixed_tokens[{pos}] is not a token id or non-empty text", param="fixed_tokens")
-            if pos < 0 or pos + len(ids) > max_tokens:
-                raise APIError(400, f"fixed_tokens[{pos}] lies outside the {max_tokens} tokens generated",
-                               param="fixed_tokens")
-            if any(pos + j in out for j in range(len(ids))):
-                raise APIError(400, f"fixed_tokens[{pos}] overlaps an earlier pin", param="fixed_tokens")
-            out.update({pos + j: t for j, t in enumerate(ids)})
-        return out
-
     async def events(req: Request, http: HTTPRequest | None = None) -> AsyncIterator[Event]:
         """The request's events until its final one. A consumer that stops early, or (when `http` is
         given) a client that disconnects, cancels the request and frees its batch row."""
@@ -208,18 +121,10 @@ def create_app(method, tokenizer, meta: dict, model_id: str, *, max_batch_size: 
         metrics.queued.set(engine.queued())
 
     async def respond(body, text: str, chat: bool, http: HTTPRequest):
-        req = make_request(body, text)
+        req = build_request(body, text, method, model_id)
         submit(req)
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         obj = "chat.completion" if chat else "text_completion"
-
-        def choice(text: str, finish: str | None, first: bool = False) -> dict:
-            if chat and body.stream:
-                delta = {"content": text} | ({"role": "assistant"} if first else {})
-                return {"index": 0, "delta": delta, "finish_reason": finish}
-            if chat:
-                return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
 
         if body.stream:
             async def sse():
@@ -229,9 +134,9 @@ def create_app(method, tokenizer, meta: dict, model_id: str, *, max_batch_size: 
                         yield f"data: {json.dumps(error_body(ev.error, 'server_error'))}\n\n"
                         return
                     chunk = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
-                             "model": model_id, "choices": [choice(ev.text, ev.finish_reason, first)]}
+                             "model": model_id, "choices": [choice(ev.text, ev.finish_reason, chat, True, first)]}
                     if ev.finish_reason:
-                        chunk["diffar"] = summary(req)
+                        chunk["diffar"] = summary(req, method, time.perf_counter() - req.submitted)
                     elif ev.snapshot:  # no text delta: clients that only append text see nothing
                         chunk["diffar"] = {"method": method.name, "snapshot": ev.snapshot}
                     first = False
@@ -247,20 +152,10 @@ def create_app(method, tokenizer, meta: dict, model_id: str, *, max_batch_size: 
             finish = ev.finish_reason
         n = len(req.tokens)
         return {"id": rid, "object": obj, "created": created, "model": model_id,
-                "choices": [choice(req.text, finish)],
+                "choices": [choice(req.text, finish, chat, False)],
                 "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": n,
                           "total_tokens": len(req.prompt_ids) + n},
-                "diffar": summary(req)}
-
-    def summary(req: Request) -> dict:
-        """diffar's extension of a response: speed, the forward passes its batch took, and the tokens one by
-        one (for pinning)."""
-        latency = time.perf_counter() - req.submitted
-        return {"method": method.name, "latency_ms": round(1000 * latency, 1),
-                "tokens_per_s": round(len(req.tokens) / latency, 1) if latency > 0 else None,
-                "passes": req.passes,
-                "token_ids": req.tokens, "tokens": [tokenizer.decode([t]) for t in req.tokens],
-                "fixed_positions": sorted(req.fixed)}
+                "diffar": summary(req, method, time.perf_counter() - req.submitted)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
@@ -268,12 +163,12 @@ def create_app(method, tokenizer, meta: dict, model_id: str, *, max_batch_size: 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
-        return await respond(body, body.prompt_text(task), chat=True, http=http)
+        return await respond(body, body.prompt_text(method.task), chat=True, http=http)
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "diffar",
-                                            "task": task, "methods": list(served_methods)}]}
+                                            "task": method.task, "methods": [method.name]}]}
 
     @app.get("/health")
     async def health():

@@ -1,6 +1,6 @@
 """Dynamic batching: requests that arrive within a short window are decoded together.
 
-A single worker thread owns the model and its decoding method (serving/methods.py). It takes the oldest
+A single worker thread owns the model and its generation method (diffar/generation). It takes the oldest
 waiting request, waits up to `window_ms` for more with the same sampling settings (up to `max_batch_size`),
 and decodes them as one batch; each row stops on its own (eos, its token budget, a stop string, or its
 client going away). Tokens are handed to the asyncio side as they are produced, so streaming clients see
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diffar.decoding.dd2 import DD2Sampling
+from diffar.decoding.result import GenerationResult
 from diffar.decoding.sampling import SamplingConfig
 from diffar.tokenizer import Tokenizer
 
@@ -86,14 +87,15 @@ class Request:
         if self.cancelled.is_set():
             return False
         self.tokens.append(token)
-        text = tokenizer.decode(self.tokens)
+        text = tokenizer.decode_complete(self.tokens)
+        if text is None:  # half of a multi-byte character: wait for the rest
+            return len(self.tokens) < self.max_tokens
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.stop_hit = True
             self._show(text[:cut])
             return False
-        if not text.endswith("\ufffd"):  # else half of a multi-byte character: wait for the rest
-            self._show(text[: len(text) - _stop_prefix_len(text, self.stop)])
+        self._show(text[: len(text) - _stop_prefix_len(text, self.stop)])
         return len(self.tokens) < self.max_tokens
 
     def snapshot(self, step: int, tokens: list[int], tokenizer: Tokenizer) -> None:
@@ -128,7 +130,7 @@ class BatchStats:
 
 
 class Engine:
-    """Owns one model's decoding method (ARMethod or DD2Method) and the worker thread that runs it."""
+    """Owns one model's generation method (diffar/generation) and the worker thread that runs it."""
 
     def __init__(self, method, tokenizer: Tokenizer, *, max_batch_size: int = 16, window_ms: float = 10.0,
                  max_queue: int = 4096, on_batch=None):
@@ -217,11 +219,34 @@ class Engine:
 
     def _decode(self, batch: list[Request]) -> None:
         generator = torch.Generator().manual_seed(batch[0].seed) if batch[0].seed is not None else None
+        tok = self.tokenizer
+
+        def on_step(i: int, rows: list[list[int]]) -> None:
+            for request, tokens in zip(batch, rows):
+                request.snapshot(i + 1, tokens, tok)
+
+        streaming = any(r.stream for r in batch)  # a DD2 snapshot costs a decoder pass per step
         t0 = time.perf_counter()
-        self.method.decode(batch, generator)
+        result = self.method.generate([r.prompt_ids for r in batch], [r.max_tokens for r in batch], batch[0].sampling,
+                                      on_token=lambda row, token: batch[row].push(token, tok),
+                                      on_step=on_step if streaming else None, generator=generator,
+                                      fixed=[r.fixed for r in batch])
         seconds = time.perf_counter() - t0
+        passes = batch_passes(result, len(batch))
         cancelled = sum(r.cancelled.is_set() for r in batch)  # before finish(): consumers then mark theirs done
         for r in batch:
-            r.finish(self.tokenizer)
+            r.passes = passes
+            r.finish(tok)
         if self.on_batch:
             self.on_batch(BatchStats(len(batch), sum(len(r.tokens) for r in batch), seconds, cancelled))
+
+
+def batch_passes(result: GenerationResult, batch_size: int) -> dict:
+    """What a response says of the batch that decoded it: its forward passes by kind, the batch size, and
+    DD2's denoising steps or the share of drafts the AR model accepted."""
+    report = {**result.passes, "batch_size": batch_size}
+    if "steps" in result.extra:
+        report["steps"] = result.extra["steps"]
+    if result.extra.get("drafted"):
+        report["drafts_accepted"] = round(result.extra["accepted"] / result.extra["drafted"], 3)
+    return report

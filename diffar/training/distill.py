@@ -34,7 +34,7 @@ def teacher_outputs(teacher: Transformer, prompts: list[list[int]], budgets: lis
         except (ValueError, KeyError, TypeError):
             continue  # a line cut short by an interruption: made again below
         if i >= len(prompts) or record.get("key", keys[i]) != keys[i]:  # caches made before the keys pass
-            raise DiffarError(f"{cache} holds teacher outputs for other data; remove it or choose another --out")
+            raise DiffarError(f"{cache} holds teacher outputs for other data; remove it or write elsewhere")
         done[i] = out
     todo = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: len(prompts[i]))
     cache.parent.mkdir(parents=True, exist_ok=True)

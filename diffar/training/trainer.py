@@ -1,4 +1,4 @@
-"""A model-agnostic trainer: any nn.Module whose forward(**batch) returns (output, loss).
+"""A model-agnostic trainer: any `Trainable` module, whose forward(**batch) returns (output, loss).
 
 AdamW, linear warm-up then cosine decay, gradient clipping and accumulation, optional bf16 autocast,
 periodic validation, a JSONL metrics log, atomic checkpoints and exact resume. Launched with
@@ -15,8 +15,9 @@ import math
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from diffar.checkpoint import read_meta, resolve, save_run_checkpoint
+from diffar.config import Config
 from diffar.data.batching import IGNORE_INDEX
 from diffar.errors import DiffarError
 from diffar.evaluation.metrics import mean_nll, perplexity
@@ -35,8 +37,17 @@ from diffar.tokenizer import Tokenizer
 RESUME_MUST_MATCH = ("kind", "model", "task", "corpus", "block_size", "tokenizer_sha256")
 
 
+class Trainable(Protocol):
+    """What the trainer needs of a model, besides being an nn.Module."""
+
+    loss_is_nll: bool  # the loss is a mean token NLL, so exp(val_loss) is a perplexity worth logging
+    loss_parts: dict[str, float]  # the terms of the last forward's loss (detached), logged per step
+
+    def __call__(self, **batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 @dataclass
-class TrainConfig:
+class TrainConfig(Config):
     max_steps: int = 2000
     batch_size: int = 32  # sequences per process per micro-step
     grad_accum: int = 1
@@ -53,21 +64,20 @@ class TrainConfig:
     save_every: int = 200
     seed: int = 1234
 
-    def __post_init__(self):
-        def need(ok: bool, flag: str, rule: str):
-            if not ok:
-                raise DiffarError(f"--{flag.replace('_', '-')} {rule}, got {getattr(self, flag)}")
-
-        for name in ("max_steps", "batch_size", "grad_accum", "eval_every", "save_every", "eval_examples"):
-            need(getattr(self, name) > 0, name, "must be positive")
-        need(math.isfinite(self.lr) and self.lr > 0, "lr", "must be a positive number")
-        need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
-        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
-        need(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        need(0 <= self.beta1 < 1, "beta1", "must be in [0, 1)")
-        need(0 <= self.beta2 < 1, "beta2", "must be in [0, 1)")
-        need(math.isfinite(self.grad_clip) and self.grad_clip > 0, "grad_clip", "must be positive")
-        need(self.precision in ("fp32", "bf16"), "precision", "must be fp32 or bf16")
+    def checks(self):
+        rules = [(getattr(self, name) > 0, name, "must be positive")
+                 for name in ("max_steps", "batch_size", "grad_accum", "eval_every", "save_every", "eval_examples")]
+        rules += [
+            (math.isfinite(self.lr) and self.lr > 0, "lr", "must be a positive number"),
+            (0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]"),
+            (self.warmup_steps >= 0, "warmup_steps", "must be >= 0"),
+            (math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0"),
+            (0 <= self.beta1 < 1, "beta1", "must be in [0, 1)"),
+            (0 <= self.beta2 < 1, "beta2", "must be in [0, 1)"),
+            (math.isfinite(self.grad_clip) and self.grad_clip > 0, "grad_clip", "must be positive"),
+            (self.precision in ("fp32", "bf16"), "precision", "must be fp32 or bf16"),
+        ]
+        return [(ok, f"{name} {rule}, got {getattr(self, name)}") for ok, name, rule in rules]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -79,7 +89,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, train_data, valid_data, cfg: TrainConfig, run_dir: str | Path,
+    def __init__(self, model: Trainable, train_data, valid_data, cfg: TrainConfig, run_dir: str | Path,
                  meta: dict, tokenizer: Tokenizer):
         """`meta` goes into every checkpoint's config.json (model kind and config, corpus, task...)."""
         self.cfg, self.run_dir, self.meta, self.tokenizer = cfg, Path(run_dir), meta, tokenizer
@@ -165,7 +175,7 @@ class Trainer:
     def save(self) -> None:
         if self.rank == 0:
             state = {"optimizer": self.optimizer.state_dict(), "step": self.step, "last_metrics": self.last_metrics}
-            meta = {**self.meta, "train": asdict(self.cfg), "metrics": self.last_metrics}
+            meta = {**self.meta, "train": self.cfg.to_dict(), "metrics": self.last_metrics}
             save_run_checkpoint(self.run_dir, self.step, self.model, meta, self.tokenizer, state)
         if self.world > 1:
             dist.barrier()
@@ -204,7 +214,7 @@ class Trainer:
                 _, loss = net(**batch)
             (loss * (n * self.world / total)).backward()
             loss_sum += loss.item() * n
-            for k, v in getattr(self.model, "loss_parts", {}).items():
+            for k, v in self.model.loss_parts.items():
                 parts[k] = parts.get(k, 0.0) + v * n
         loss_sum = self.all_sum([loss_sum])[0]
         self.loss_parts = {k: round(v / sum(counts), 5) for k, v in parts.items()}  # this process's share
@@ -242,7 +252,7 @@ class Trainer:
                 if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.max_steps:
                     val = self.evaluate()
                     record["val_loss"] = round(val, 6)
-                    if getattr(self.model, "loss_is_nll", True):  # else exp(loss) is no perplexity
+                    if self.model.loss_is_nll:
                         record["val_ppl"] = round(perplexity(val), 3)
                     self.last_metrics = {k: record[k] for k in ("step", "val_loss", "val_ppl") if k in record}
                 self.log(record)

@@ -1,0 +1,99 @@
+"""`diffar bench ar|speculative|refusion|dd2`: decoding speed (and, for lossy DD2, quality) against AR, as a table
+and JSON records."""
+
+from __future__ import annotations
+
+import argparse
+
+from diffar.commands import flags
+from diffar.errors import DiffarError
+
+
+def _prompts(prompts: int, batch_sizes: list[int]) -> argparse.ArgumentParser:
+    """Where a comparison's prompts come from and how they are batched."""
+    p = argparse.ArgumentParser(add_help=False, parents=[flags.split()])
+    p.add_argument("--corpus", help="prompts from this corpus (default: the checkpoint's corpus)")
+    p.add_argument("--prompts", type=flags.positive_int, default=prompts)
+    p.add_argument("--new-tokens", type=flags.positive_int, default=256, help="continuation: tokens per prompt")
+    p.add_argument("--batch-sizes", type=flags.positive_int, nargs="+", default=batch_sizes)
+    return p
+
+
+def register(subparsers) -> None:
+    b = subparsers.add_parser("bench", help="measure decoding speed; writes JSON records")
+    methods = b.add_subparsers(dest="method", required=True, metavar="METHOD")
+    json_out = flags.out("JSON file to write")
+    bar = methods.add_parser("ar", help="AR with vs without the KV cache", parents=[flags.dtype(), json_out])
+    bar.add_argument("--checkpoint", default="checkpoints/ar-kjv2web")
+    bar.add_argument("--corpus", help="prompts from this corpus's test split (default: the checkpoint's corpus)")
+    bar.add_argument("--batch-sizes", type=flags.positive_int, nargs="+", default=[1, 8])
+    bar.add_argument("--new-tokens", type=flags.positive_int, default=256)
+    bar.add_argument("--repeats", type=flags.positive_int, default=1)
+    bar.set_defaults(func=run_ar)
+
+    draft_length = argparse.ArgumentParser(add_help=False)
+    draft_length.add_argument("--k", type=int, default=8, help="draft length (block size)")
+    lossless = [_prompts(32, [1]), draft_length, json_out]
+    bsp = methods.add_parser("speculative", help="AR vs lossless prompt-lookup and draft-model decoding",
+                             parents=lossless)
+    bsp.add_argument("--checkpoint", default="checkpoints/ar-kjv2web")
+    bsp.add_argument("--draft", default="checkpoints/draft-kjv2web", help="the small AR drafter")
+    bsp.add_argument("--methods", nargs="+", default=["ar", "ar+prompt-lookup", "ar+draft"])
+    bsp.set_defaults(func=run_speculative)
+    brf = methods.add_parser("refusion", help="ReFusion lossless decoding against AR and its speculative peers",
+                             parents=lossless)
+    brf.add_argument("--checkpoint", default="checkpoints/refusion-kjv2web", help="a ReFusion checkpoint")
+    brf.add_argument("--draft", default="checkpoints/draft-kjv2web", help="the small AR drafter peer")
+    brf.add_argument("--methods", nargs="+",
+                     default=["ar", "ar+prompt-lookup", "ar+draft", "refusion", "refusion-dynamic", "refusion-infill"])
+    brf.add_argument("--plan-threshold", type=float, default=0.9, help="refusion-infill: keep drafts this confident")
+    brf.add_argument("--plan-slot", type=flags.positive_int, default=1, help="refusion-infill: tokens per planned slot")
+    brf.set_defaults(func=run_refusion)
+
+    bdd = methods.add_parser("dd2", help="DD2 one-step / few-step / hybrid sampling against AR",
+                             parents=[_prompts(128, [1, 16]), flags.seed(),
+                                      flags.dtype(flags.DTYPE_HELP + ", every model alike"), json_out])
+    bdd.add_argument("--checkpoint", default="checkpoints/dd2-kjv2web", help="a DD2 checkpoint")
+    bdd.add_argument("--ar", default="checkpoints/ar-kjv2web",
+                     help="the AR baseline (and hybrid's continuer, and dd2-NxK's judge)")
+    bdd.add_argument("--methods", nargs="+", default=["ar", "dd2-1", "dd2-30", "dd2-50", "dd2-100", "dd2-hybrid"],
+                     help="ar, dd2-N (N DDIM steps), dd2-NxK (--ar picks the best of K N-step samples), "
+                          "dd2-NxK-self (the decoder picks), dd2-adaptive, dd2-hybrid, dd2-speed, dd2-quality")
+    bdd.set_defaults(func=run_dd2)
+
+
+def run_ar(args) -> None:
+    from diffar.evaluation.bench import bench_ar, print_table, write_records
+
+    records = bench_ar(args.checkpoint, args.corpus, args.batch_sizes, args.new_tokens, args.repeats, args.dtype)
+    print_table(records)
+    write_records(records, args.out)
+
+
+def _lossless(args, **infill) -> None:
+    """AR against the lossless draft-and-verify methods; `infill`: refusion-infill's plan settings."""
+    from diffar.evaluation.bench import bench_lossless, print_table, write_records
+
+    if args.k <= 0:
+        raise DiffarError(f"--k must be positive, got {args.k}")
+    records = bench_lossless(args.checkpoint, args.draft, args.corpus, args.prompts, args.new_tokens, args.k,
+                             args.batch_sizes, args.methods, split=args.split, **infill)
+    print_table(records)
+    write_records(records, args.out)
+
+
+def run_speculative(args) -> None:
+    _lossless(args)
+
+
+def run_refusion(args) -> None:
+    _lossless(args, plan_threshold=args.plan_threshold, plan_slot=args.plan_slot)
+
+
+def run_dd2(args) -> None:
+    from diffar.evaluation.bench import bench_dd2, print_table, write_records
+
+    records = bench_dd2(args.checkpoint, args.ar, args.corpus, args.prompts, args.new_tokens, args.batch_sizes,
+                        args.methods, args.seed, args.split, args.dtype)
+    print_table(records)
+    write_records(records, args.out)

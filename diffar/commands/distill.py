@@ -1,0 +1,51 @@
+"""`diffar distill dd2`: a one-step DD2 generator (x0 prediction) trained on an AR teacher's greedy outputs."""
+
+from __future__ import annotations
+
+import torch
+
+from diffar.commands import flags
+from diffar.models.dd2 import PRESETS as DD2_PRESETS
+from diffar.training import setup
+
+# the DD2Config fields this command sets from flags of the same name (None: the preset's or --init's)
+OVERRIDES = ("schedule", "cond_drop", "mse_weight", "ce_weight", "bleu_weight", "semantic_weight", "energy_weight",
+             "refine_prob", "full_noise_prob")
+
+
+def register(subparsers) -> None:
+    di = subparsers.add_parser("distill", help="distil an AR teacher into a fast student")
+    models = di.add_subparsers(dest="model_kind", required=True, metavar="MODEL")
+    dd = models.add_parser("dd2", help="a one-step DD2 generator (x0 prediction) trained on the teacher's outputs",
+                           parents=[flags.training(), flags.dd2_training()])
+    dd.add_argument("--teacher", required=True, help="the AR checkpoint whose greedy outputs are the targets")
+    dd.add_argument("--vqvae", help="the autoencoder to build on (without --init)")
+    dd.add_argument("--init", help="a DD2 checkpoint to start from, e.g. the stage-2 eps model")
+    dd.add_argument("--preset", default="small", choices=sorted(DD2_PRESETS))
+    dd.add_argument("--teacher-examples", type=flags.positive_int,
+                    help="distil on N training examples spread evenly over the corpus")
+    dd.add_argument("--teacher-batch-size", type=flags.positive_int, default=32)
+    dd.add_argument("--mse-weight", type=float, help="latent MSE (default 1)")
+    dd.add_argument("--ce-weight", type=float, help="token cross-entropy through the decoder (default 1)")
+    dd.add_argument("--bleu-weight", type=float, help="minimum-risk expected-BLEU loss (default 0)")
+    dd.add_argument("--semantic-weight", type=float, help="1 - cosine of mean embeddings (default 0)")
+    dd.add_argument("--energy-weight", type=float,
+                    help="the teacher's energy (cross-entropy) of the relaxed one-step output (ENGINE; default 0)")
+    dd.add_argument("--refine-prob", type=float,
+                    help="share of the t < 1 examples noised from the model's own one-step draft, so that "
+                         "few-step sampling refines drafts (default 0)")
+    dd.add_argument("--full-noise-prob", type=float,
+                    help="share of examples at t = 1, where one-step sampling starts (default 0.75); the energy "
+                         "scores only these")
+    dd.set_defaults(func=run_dd2)
+
+
+def run_dd2(args) -> None:
+    flags.use_threads(args)
+    torch.manual_seed(args.seed)
+    start = setup.dd2_model(args.corpus, args.out, prediction="x0", preset=args.preset, vqvae=args.vqvae,
+                            init=args.init, source_encoder=args.source_encoder, canvas_len=args.canvas_len,
+                            **{k: getattr(args, k) for k in OVERRIDES})
+    examples = setup.distillation_pairs(start, args.teacher, args.corpus, args.out, limit=args.teacher_examples,
+                                        batch_size=args.teacher_batch_size)
+    setup.fit_dd2(start, args.corpus, args.valid_corpus, flags.train_config(args), args.out, examples)

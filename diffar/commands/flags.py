@@ -1,0 +1,98 @@
+"""Flags that several commands share, as argparse parent parsers (`parents=[...]`): each is defined once, so
+it has the same name, default and help wherever it appears."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import fields
+from pathlib import Path
+
+from diffar.data.corpora import EMBEDDED
+from diffar.training.trainer import TrainConfig
+
+DEFAULT_TOKENIZER = Path(__file__).resolve().parents[2] / "tokenizer" / "diffar-8k.json"
+CORPORA = f"an embedded corpus ({', '.join(EMBEDDED)}), a text file/folder, or a JSONL of source/target"
+SPLIT_HELP = "valid for comparing training choices (ablations), test for the reported figures"
+INFERENCE_DTYPES = ("fp32", "bf16")
+DTYPE_HELP = "weights and activations at inference; bf16 is faster on CPUs with bf16 matrix units"
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _parent() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(add_help=False)
+
+
+def out(help: str | None = None, required: bool = True) -> argparse.ArgumentParser:
+    p = _parent()
+    p.add_argument("--out", required=required, help=help)
+    return p
+
+
+def dtype(help: str = DTYPE_HELP) -> argparse.ArgumentParser:
+    """The precision a generating command runs its models at."""
+    p = _parent()
+    p.add_argument("--dtype", default="fp32", choices=INFERENCE_DTYPES, help=help)
+    return p
+
+
+def seed() -> argparse.ArgumentParser:
+    """The seed of a sampling command (training's --seed is a TrainConfig field)."""
+    p = _parent()
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def split(choices: Sequence[str] = ("valid", "test"), help: str | None = SPLIT_HELP) -> argparse.ArgumentParser:
+    p = _parent()
+    p.add_argument("--split", default="test", choices=choices, help=help)
+    return p
+
+
+def training() -> argparse.ArgumentParser:
+    """A training run: its data, its run folder and threads, and every TrainConfig field as a flag (listed in a
+    group of their own, after the model's flags)."""
+    p = _parent()
+    p.add_argument("--corpus", required=True, help=CORPORA)
+    p.add_argument("--valid-corpus", help="validation data (default: the corpus's valid split)")
+    run = p.add_argument_group("training")
+    run.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl)")
+    run.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    for f in fields(TrainConfig):
+        run.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+                         help=f"(default {f.default})")
+    return p
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig that the flags of `training()` spell out."""
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+
+
+def use_threads(args: argparse.Namespace) -> None:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def dd2_training() -> argparse.ArgumentParser:
+    """The flags `train dd2` and `distill dd2` share besides `training()`'s."""
+    p = _parent()
+    p.add_argument("--schedule", choices=["linear", "cosine", "learned"], help="noise schedule (default cosine)")
+    p.add_argument("--cond-drop", type=float, help="share of examples trained without their source (CFG; 0.1)")
+    p.add_argument("--source-encoder", help="an AR checkpoint (e.g. the teacher) whose frozen hidden states over the "
+                                            "source join the denoiser's source prefix")
+    p.add_argument("--canvas-len", type=positive_int,
+                   help="continuation: tokens per canvas (default: the autoencoder's target_len); longer outputs "
+                        "are sampled canvas after canvas")
+    return p

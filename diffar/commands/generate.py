@@ -1,0 +1,122 @@
+"""`diffar generate`: text from a prompt (argument or stdin) with AR (optionally speculative), ReFusion or DD2,
+streamed to stdout, then one line of speed on stderr."""
+
+from __future__ import annotations
+
+import sys
+
+from diffar.commands import flags
+from diffar.errors import DiffarError
+
+
+def register(subparsers) -> None:
+    g = subparsers.add_parser("generate", help="generate text from a prompt (argument or stdin), streaming",
+                              parents=[flags.seed(), flags.dtype(flags.DTYPE_HELP + ", every model loaded")])
+    g.add_argument("--checkpoint", required=True)
+    g.add_argument("--tokenizer", help="override the checkpoint's own tokenizer (must be the same one)")
+    g.add_argument("--prompt", help="prompt text (default: read stdin)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--no-cache", action="store_true", help="recompute every step (slow; for comparison)")
+    g.add_argument("--no-echo", action="store_true", help="do not repeat a continuation prompt")
+    g.add_argument("--draft", help="speculative decoding: a small AR checkpoint (same tokenizer) drafts tokens")
+    g.add_argument("--prompt-lookup", action="store_true", help="speculative decoding: draft by copying n-grams")
+    g.add_argument("--k", type=int, help="drafts verified per AR pass (default 8; refusion: the model's block)")
+    g.add_argument("--method", choices=["ar", "refusion", "dd2"], help="default: the checkpoint's own kind")
+    g.add_argument("--steps", type=int, help="refusion: denoising steps per draft; dd2: sampling steps (default 1)")
+    g.add_argument("--adaptive-steps", action="store_true", help="dd2: min(100, 50 + length // 10) steps")
+    g.add_argument("--preset", choices=["speed", "quality"], help="dd2: the DD2 seed post's sampling presets")
+    g.add_argument("--guidance", type=float, help="dd2: classifier-free guidance scale (1 = conditional only)")
+    g.add_argument("--tau", type=float, help="dd2: decoding temperature tau_max (0 = argmax)")
+    g.add_argument("--tau-min", type=float, help="dd2: the temperature floor tau_min")
+    g.add_argument("--sampler", choices=["ddim", "ddpm"], help="dd2: the scheduler (default ddim)")
+    g.add_argument("--hybrid", metavar="AR_CHECKPOINT",
+                   help="dd2: sample the first 50 tokens (one step unless --steps/--preset say more), then this AR "
+                        "model continues with its KV cache")
+    g.add_argument("--best-of", type=flags.positive_int, metavar="N",
+                   help="dd2: sample N texts from independent noise and keep the likeliest (by the decoder's own "
+                        "confidence, or by --judge)")
+    g.add_argument("--judge", metavar="AR_CHECKPOINT", help="dd2 --best-of: an AR model that scores the samples")
+    g.add_argument("--dynamic", action="store_true", help="refusion: the ReFusion seed post's dynamic schedule")
+    g.add_argument("--plan-infill", type=float, metavar="THRESHOLD",
+                   help="refusion: keep drafts at least this confident unverified (faster, not lossless)")
+    g.add_argument("--plan-slot", type=flags.positive_int, default=1, metavar="N",
+                   help="refusion --plan-infill: plan slots of N tokens, each kept or infilled whole (default 1)")
+    g.set_defaults(func=run)
+
+
+# the `Options` field each generation flag sets
+OPTION_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "steps": "--steps",
+                "guidance_scale": "--guidance", "preset": "--preset", "tau": "--tau", "tau_min": "--tau-min",
+                "sampler": "--sampler", "adaptive": "--adaptive-steps", "best_of": "--best-of"}
+
+
+def _options(args, method: str):
+    """The sampling options the flags give; a flag the method does not read is an error, not ignored."""
+    from diffar.generation import METHODS, Options
+
+    options = Options(temperature=args.temperature or None, top_k=args.top_k or None,
+                      top_p=None if args.top_p == 1.0 else args.top_p,
+                      steps=None if method == "refusion" else args.steps,  # refusion's steps are its drafts'
+                      guidance_scale=args.guidance, preset=args.preset, tau=args.tau, tau_min=args.tau_min,
+                      sampler=args.sampler, adaptive=args.adaptive_steps, best_of=args.best_of or 1)
+    unread = sorted(OPTION_FLAGS[name] for name in options.given() - METHODS[method].options)
+    if unread:
+        reads = ", ".join(OPTION_FLAGS[name] for name in sorted(METHODS[method].options))
+        raise DiffarError(f"{', '.join(unread)}: not read by --method {method}, which reads {reads}")
+    if args.judge and (args.best_of or 1) == 1:
+        raise DiffarError("--judge picks one of --best-of N samples; pass --best-of N (N >= 2) too")
+    return options
+
+
+def run(args) -> None:
+    import torch
+
+    from diffar.decoding.refusion import DraftSchedule
+    from diffar.generation import load_method, resolve_method
+
+    text = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not text.strip():
+        raise DiffarError("empty prompt: pass --prompt TEXT or text on stdin")
+    if args.max_new_tokens <= 0:
+        raise DiffarError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if args.k is not None and args.k <= 0:
+        raise DiffarError(f"--k must be positive, got {args.k}")
+    name = resolve_method(args.checkpoint, args.method)
+    if name != "refusion" and (args.dynamic or args.plan_infill is not None):
+        raise DiffarError("--dynamic and --plan-infill apply to --method refusion only")
+    if args.plan_slot != 1 and args.plan_infill is None:
+        raise DiffarError("--plan-slot sizes --plan-infill's slots; pass --plan-infill THRESHOLD too")
+    options = _options(args, name)
+    schedule = DraftSchedule(steps=1 if args.steps is None else args.steps, dynamic=args.dynamic,
+                             plan_threshold=args.plan_infill, plan_slot=args.plan_slot) if name == "refusion" else None
+    method = load_method(args.checkpoint, name, dtype=args.dtype, tokenizer=args.tokenizer, draft=args.draft,
+                         prompt_lookup=args.prompt_lookup, k=args.k, schedule=schedule, judge=args.judge,
+                         hybrid=args.hybrid, use_cache=not args.no_cache)
+    settings = method.settings(options)
+    ids = method.prompt(text)
+    if method.room(ids, settings) <= 0:
+        raise DiffarError(f"the prompt ({len(ids)} tokens) leaves this model no room to write")
+    tokenizer, new, printed = method.tokenizer, [], ""
+
+    def stream(row: int, token: int) -> None:
+        nonlocal printed
+        new.append(token)
+        text = tokenizer.decode_complete(new)
+        if text is not None:
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+
+    if method.task == "continuation" and not args.no_echo:
+        sys.stdout.write(text)
+    result = method.generate([ids], args.max_new_tokens, settings, on_token=stream,
+                             generator=torch.Generator().manual_seed(args.seed))
+    sys.stdout.write(tokenizer.decode(new)[len(printed):] + "\n")
+    sys.stdout.flush()
+    label, passes = method.describe(result, settings)
+    n = result.new_tokens
+    print(f"[{label}] {n} tokens in {result.seconds:.3f} s = {n / result.seconds:.1f} tokens/s | {passes} | "
+          f"prompt {len(ids)} tokens | batch 1 | {args.dtype}", file=sys.stderr)

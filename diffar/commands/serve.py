@@ -1,0 +1,39 @@
+"""`diffar serve`: an OpenAI-compatible HTTP server with dynamic batching and streaming."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffar.commands import flags
+
+
+def register(subparsers) -> None:
+    sv = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with dynamic batching and streaming",
+                               parents=[flags.dtype()])
+    sv.add_argument("--checkpoint", required=True)
+    sv.add_argument("--method", choices=("ar", "dd2", "refusion"),
+                    help="decoding method (default: the checkpoint's kind; a ReFusion checkpoint can also serve its AR "
+                         "stream as ar)")
+    sv.add_argument("--model-id", help="the model name clients use (default: the checkpoint folder's name)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-batch-size", type=flags.positive_int, default=16)
+    sv.add_argument("--batch-window-ms", type=float, default=10.0, help="how long a batch waits to fill")
+    sv.add_argument("--max-queue", type=flags.positive_int, default=4096, help="waiting requests before 429")
+    sv.add_argument("--judge", metavar="AR_CHECKPOINT",
+                    help="dd2: the AR model that picks among a request's best_of samples (without it, the "
+                         "decoder's own confidence picks)")
+    sv.add_argument("--log-level", default="warning")
+    sv.set_defaults(func=run)
+
+
+def run(args) -> None:
+    import uvicorn
+
+    from diffar.generation import load_method
+    from diffar.serving.app import create_app
+
+    method = load_method(args.checkpoint, args.method, dtype=args.dtype, judge=args.judge)
+    app = create_app(method, args.model_id or Path(args.checkpoint).resolve().name, max_batch_size=args.max_batch_size,
+                     window_ms=args.batch_window_ms, max_queue=args.max_queue)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, backlog=4096)

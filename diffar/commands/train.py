@@ -1,0 +1,109 @@
+"""`diffar train ar|refusion|vqvae|dd2`: train a model from a preset and/or checkpoints (resumes if --out holds
+a run). What each starts from is built in `diffar.training.setup`."""
+
+from __future__ import annotations
+
+import torch
+
+from diffar.commands import flags
+from diffar.models.dd2 import PRESETS as DD2_PRESETS
+from diffar.models.refusion import PRESETS as REFUSION_PRESETS
+from diffar.models.transformer import PRESETS, Transformer, TransformerConfig
+from diffar.models.vqvae import PRESETS as VQVAE_PRESETS
+from diffar.models.vqvae import TextVQVAE, VQVAEConfig
+from diffar.tokenizer import Tokenizer
+from diffar.training import setup
+
+
+def register(subparsers) -> None:
+    tr = subparsers.add_parser("train", help="train a model (resumes if --out holds a run)")
+    models = tr.add_subparsers(dest="model_kind", required=True, metavar="MODEL")
+    ar = models.add_parser("ar", help="the autoregressive transformer baseline", parents=[flags.training()])
+    ar.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    ar.add_argument("--tokenizer", default=str(flags.DEFAULT_TOKENIZER))
+    ar.add_argument("--block-size", type=flags.positive_int, help="training sequence length (default: the context)")
+    ar.set_defaults(func=run_ar)
+    _register_refusion(models)
+
+    vq = models.add_parser("vqvae", help="DD2 stage 1: the text autoencoder (VQ-VAE) the diffusion runs in",
+                           parents=[flags.training()])
+    vq.add_argument("--preset", default="small", choices=sorted(VQVAE_PRESETS))
+    vq.add_argument("--bottleneck", choices=["vq", "kl"], help="vector-quantised (default) or KL-continuous")
+    vq.add_argument("--d-latent", type=flags.positive_int, help="latent width (default 256)")
+    vq.add_argument("--codebook-size", type=flags.positive_int, help="codes per group")
+    vq.add_argument("--groups", type=flags.positive_int, help="product-quantisation groups per latent")
+    vq.add_argument("--tokenizer", default=str(flags.DEFAULT_TOKENIZER))
+    vq.set_defaults(func=run_vqvae)
+
+    dd = models.add_parser("dd2", help="DD2 stage 2: an eps-predicting diffusion model in a VQ-VAE's latent space",
+                           parents=[flags.training(), flags.dd2_training()])
+    dd.add_argument("--vqvae", help="the trained autoencoder (diffar train vqvae); its tokenizer is used")
+    dd.add_argument("--init", help="a DD2 checkpoint to continue from (must be built on --vqvae, if given)")
+    dd.add_argument("--preset", default="small", choices=sorted(DD2_PRESETS))
+    dd.set_defaults(func=run_dd2)
+
+
+def _register_refusion(models) -> None:
+    rf = models.add_parser("refusion", help="ReFusion: a diffusion stream drafting for a (frozen) AR stream",
+                           parents=[flags.training()])
+    rf.add_argument("--ar", help="AR checkpoint to start the AR stream from (its tokenizer is used)")
+    rf.add_argument("--init", help="ReFusion checkpoint (e.g. stage 1) to start both streams from")
+    rf.add_argument("--preset", default="small", choices=sorted(REFUSION_PRESETS))
+    rf.add_argument("--stage", choices=["diffusion", "joint"], default="joint",
+                    help="diffusion: the diffusion stream alone (stage 1); joint: with fusion and the AR stream")
+    rf.add_argument("--train-ar", action="store_true", help="also train the AR stream (default: frozen)")
+    rf.add_argument("--block", type=flags.positive_int, help="tokens drafted per block")
+    rf.add_argument("--anchors", type=flags.positive_int, help="training blocks per sequence")
+    rf.add_argument("--schedule", choices=["linear", "cosine", "learned"], help="noise schedule")
+    rf.add_argument("--ar-fusion-layers", type=int, nargs="*", help="AR layers that read the diffusion stream")
+    rf.add_argument("--ar-weight", type=float, help="weight of CE_AR (default 1)")
+    rf.add_argument("--mse-weight", type=float, help="weight of the diffusion MSE (default 0.5)")
+    rf.add_argument("--kl-weight", type=float, help="weight of KL(AR || diffusion) (default 0.1)")
+    rf.add_argument("--grad-checkpoint", action="store_true", default=None, help="recompute activations in backward")
+    rf.add_argument("--tokenizer", default=str(flags.DEFAULT_TOKENIZER), help="without --ar")
+    rf.add_argument("--block-size", type=flags.positive_int,
+                    help="training sequence length, e.g. 256 to chunk long text")
+    rf.set_defaults(func=run_refusion)
+
+
+def run_ar(args) -> None:
+    flags.use_threads(args)
+    tokenizer = Tokenizer.load(args.tokenizer)
+    cfg = TransformerConfig.from_preset(args.preset, vocab_size=tokenizer.vocab_size)
+    torch.manual_seed(args.seed)
+    model = Transformer(cfg)
+    data = setup.datasets(tokenizer, args.corpus, args.valid_corpus, cfg.max_seq_len, args.block_size)
+    setup.fit(model, "ar", tokenizer, data, flags.train_config(args), args.out)
+
+
+def run_refusion(args) -> None:
+    flags.use_threads(args)
+    model, tokenizer = setup.refusion_model(
+        args.tokenizer, ar=args.ar, init=args.init, preset=args.preset, seed=args.seed, stage=args.stage,
+        freeze_ar=not args.train_ar, block=args.block, anchors=args.anchors, schedule=args.schedule,
+        ar_weight=args.ar_weight, mse_weight=args.mse_weight, kl_weight=args.kl_weight,
+        grad_checkpoint=args.grad_checkpoint,
+        ar_fusion_layers=None if args.ar_fusion_layers is None else tuple(args.ar_fusion_layers))
+    data = setup.datasets(tokenizer, args.corpus, args.valid_corpus, model.config.ar.max_seq_len, args.block_size)
+    setup.fit(model, "refusion", tokenizer, data, flags.train_config(args), args.out)
+
+
+def run_vqvae(args) -> None:
+    flags.use_threads(args)
+    tokenizer = Tokenizer.load(args.tokenizer)
+    overrides = {k: getattr(args, k) for k in ("bottleneck", "d_latent", "codebook_size", "groups")
+                 if getattr(args, k) is not None}
+    cfg = VQVAEConfig.from_preset(args.preset, tokenizer.vocab_size, **overrides)
+    torch.manual_seed(args.seed)
+    model = TextVQVAE(cfg)
+    data = setup.canvas_datasets(tokenizer, args.corpus, args.valid_corpus, cfg, with_source=False)
+    setup.fit(model, "vqvae", tokenizer, data, flags.train_config(args), args.out)
+
+
+def run_dd2(args) -> None:
+    flags.use_threads(args)
+    torch.manual_seed(args.seed)
+    start = setup.dd2_model(args.corpus, args.out, prediction="eps", preset=args.preset, vqvae=args.vqvae,
+                            init=args.init, source_encoder=args.source_encoder, canvas_len=args.canvas_len,
+                            schedule=args.schedule, cond_drop=args.cond_drop)
+    setup.fit_dd2(start, args.corpus, args.valid_corpus, flags.train_config(args), args.out)

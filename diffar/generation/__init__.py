@@ -1,0 +1,58 @@
+"""Generation methods: one interface (`GenerationMethod`, method.py) over every decoder, registered here once;
+`diffar generate`, `eval`, `bench`, `serve` and `loadtest` all build their methods through `load_method` or
+the classes in `METHODS`. Which methods a checkpoint kind serves is declared in `checkpoint.GENERATES`."""
+
+from __future__ import annotations
+
+from diffar.checkpoint import DTYPES, GENERATES, ar_stream, load_ar, load_checkpoint, read_meta
+from diffar.decoding.refusion import DraftSchedule
+from diffar.decoding.speculative import DraftModel, PromptLookup
+from diffar.errors import DiffarError
+from diffar.generation.ar import ARMethod, RefusionMethod
+from diffar.generation.dd2 import DD2Method
+from diffar.generation.method import GenerationMethod, OptionError, Options
+
+METHODS: dict[str, type] = {"ar": ARMethod, "refusion": RefusionMethod, "dd2": DD2Method}
+
+__all__ = ["METHODS", "ARMethod", "DD2Method", "GenerationMethod", "OptionError", "Options", "RefusionMethod",
+           "load_method", "resolve_method"]
+
+
+def resolve_method(checkpoint: str, method: str | None = None) -> str:
+    """The method that decodes a checkpoint: `method` if its kind serves it, else its kind's default."""
+    kind = read_meta(checkpoint)["kind"]
+    if not GENERATES[kind]:
+        raise DiffarError(f"{checkpoint} is a {kind} checkpoint, which does not generate text")
+    if method is not None and method not in GENERATES[kind]:
+        raise OptionError("method", f"method {method} cannot decode {checkpoint}, a {kind} checkpoint (it serves "
+                                    f"{', '.join(GENERATES[kind])})")
+    return method or GENERATES[kind][0]
+
+
+def load_method(checkpoint: str, method: str | None = None, *, dtype: str = "fp32", tokenizer: str | None = None,
+                draft: str | None = None, prompt_lookup: bool = False, k: int | None = None,
+                schedule: DraftSchedule | None = None, judge: str | None = None, hybrid: str | None = None,
+                use_cache: bool = True) -> GenerationMethod:
+    """The generation method `method` (default: the checkpoint's own) over a checkpoint, with what it works
+    with: an AR drafter (`draft` checkpoint or `prompt_lookup`, verifying `k` drafts a pass), ReFusion's draft
+    `schedule`, DD2's best-of `judge` or `hybrid` continuer (AR checkpoints). Every model loads in `dtype`."""
+    method = resolve_method(checkpoint, method)
+    given = {"draft": draft, "prompt_lookup": prompt_lookup, "schedule": schedule, "judge": judge, "hybrid": hybrid,
+             "no_cache": not use_cache}
+    takes = {"ar": {"draft", "prompt_lookup", "no_cache"}, "refusion": {"schedule"}, "dd2": {"judge", "hybrid"}}
+    for name, value in given.items():
+        if value and name not in takes[method]:
+            owner = next(m for m, names in takes.items() if name in names)
+            raise OptionError(name, f"{name} applies to method {owner} only, not to {method}")
+    model, tok, meta = load_checkpoint(checkpoint, tokenizer, dtype=DTYPES[dtype])
+    task = meta["task"]
+    if method == "dd2":
+        return DD2Method(model, tok, task, judge=judge and load_ar(judge, tok, "judge", task, DTYPES[dtype]),
+                         hybrid=hybrid and load_ar(hybrid, tok, "hybrid", task, DTYPES[dtype]))
+    if method == "refusion":
+        return RefusionMethod(model, tok, task, schedule=schedule or DraftSchedule(), k=k)
+    if draft and prompt_lookup:
+        raise OptionError("draft", "choose one drafter: a draft model or prompt lookup")
+    proposer = PromptLookup() if prompt_lookup else DraftModel(load_ar(draft, tok, "draft", dtype=DTYPES[dtype])) \
+        if draft else None
+    return ARMethod(ar_stream(model), tok, task, proposer=proposer, k=k or 8, use_cache=use_cache)

@@ -1,0 +1,86 @@
+"""Methods whose text is an AR model's: plain KV-cached decoding, draft-and-verify with a proposer (prompt
+lookup, a draft model), and ReFusion, whose diffusion stream drafts for its own AR stream. All are lossless:
+greedy output equals plain greedy AR, sampled output follows the AR model's distribution (ReFusion's
+plan-and-infill aside)."""
+
+from __future__ import annotations
+
+from diffar.data.batching import prompt_ids
+from diffar.decoding.ar import generate
+from diffar.decoding.refusion import DraftSchedule, refusion_generate
+from diffar.decoding.result import GenerationResult
+from diffar.decoding.sampling import SamplingConfig
+from diffar.decoding.speculative import Proposer, speculative_generate
+from diffar.generation.method import Options, per_row, within_budgets
+from diffar.models.refusion import RefusionModel
+from diffar.models.transformer import Transformer
+from diffar.tokenizer import Tokenizer
+
+
+class ARMethod:
+    name = "ar"
+    options = frozenset({"temperature", "top_k", "top_p"})
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, task: str, *, proposer: Proposer | None = None,
+                 k: int = 8, use_cache: bool = True):
+        self.model, self.tokenizer, self.task = model, tokenizer, task
+        self.proposer, self.k, self.use_cache = proposer, k, use_cache
+        self.drafter = proposer and proposer.name  # what drafts, for the speed line
+        self.label = "ar" if proposer is None else f"ar+{proposer.name}"
+
+    def prompt(self, text: str) -> list[int]:
+        return prompt_ids(self.tokenizer, self.task, text)
+
+    def room(self, ids: list[int], settings=None) -> int:
+        return self.model.config.max_seq_len - len(ids)
+
+    def fits(self, longest_prompt: int, budget: int) -> bool:
+        return longest_prompt + budget <= self.model.config.max_seq_len  # one cache for the batch
+
+    def settings(self, options: Options) -> SamplingConfig:
+        return SamplingConfig(**{name: getattr(options, name) for name in self.options
+                                 if getattr(options, name) is not None})
+
+    def generate(self, prompts: list[list[int]], budgets: int | list[int], settings: SamplingConfig, *,
+                 on_token=None, on_step=None, generator=None, fixed=None, ignore_eos: bool = False) -> GenerationResult:
+        budgets = per_row(budgets, len(prompts))
+        decode = dict(eos_id=None if ignore_eos else self.tokenizer.eos_id, sampling=settings, generator=generator,
+                      on_token=within_budgets(budgets, on_token), fixed=fixed)
+        if self.proposer is None:
+            return generate(self.model, prompts, max(budgets), pad_id=self.tokenizer.pad_id, use_cache=self.use_cache,
+                            **decode)
+        return speculative_generate(self.model, self.proposer, prompts, max(budgets), k=self.k, **decode)
+
+    def describe(self, result: GenerationResult, settings) -> tuple[str, str]:
+        """(label, account of the passes) of a one-row result, for the speed line."""
+        n, passes = result.new_tokens, result.passes["target"]
+        line = f"{passes} AR passes ({n / passes:.2f} tokens/AR pass)"
+        if "drafted" not in result.extra:
+            return self.label, line + f" | {'KV cache' if self.use_cache else 'no cache'}"
+        return self.label, line + (f" | {result.extra['accepted']}/{result.extra['drafted']} drafts accepted, "
+                                   f"{result.passes['draft']} {self.drafter} passes")
+
+
+class RefusionMethod(ARMethod):
+    """ReFusion: the diffusion stream drafts blocks from the AR stream's hidden states, the AR stream verifies
+    them; `schedule` is how hard it drafts (one DDIM step per block by default; the DD2 seed post's dynamic
+    schedule; plan-and-infill)."""
+
+    name = "refusion"
+
+    def __init__(self, model: RefusionModel, tokenizer: Tokenizer, task: str, *,
+                 schedule: DraftSchedule = DraftSchedule(), k: int | None = None):
+        super().__init__(model.ar, tokenizer, task)
+        self.refusion, self.schedule, self.k, self.drafter = model, schedule, k, "diffusion"
+        self.label = "refusion" + ("-dynamic" if schedule.dynamic else "") + ("-infill" if schedule.plan_threshold
+                                                                               else "")
+
+    def generate(self, prompts: list[list[int]], budgets: int | list[int], settings: SamplingConfig, *,
+                 on_token=None, on_step=None, generator=None, fixed=None, ignore_eos: bool = False) -> GenerationResult:
+        budgets = per_row(budgets, len(prompts))
+        # the dynamic schedule decodes short prompts by AR alone, counted in words of the text they read
+        words = [len(self.tokenizer.decode(p).split()) for p in prompts] if self.schedule.dynamic else None
+        return refusion_generate(self.refusion, prompts, max(budgets), k=self.k, schedule=self.schedule,
+                                 prompt_words=words, eos_id=None if ignore_eos else self.tokenizer.eos_id,
+                                 sampling=settings, generator=generator, on_token=within_budgets(budgets, on_token),
+                                 fixed=fixed)
