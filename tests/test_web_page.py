@@ -52,7 +52,7 @@ def test_generate_pin_edit_regenerate(browser, page):
     generate(browser, "generate")
     first = tokens(browser)
     stats = browser.find_element(By.ID, "stats").text
-    assert len(first) == 12 and "tokens/s" in stats and "forward passes" in stats
+    assert len(first) == 12 and "tokens/s" in stats and "AR passes 12" in stats
 
     pinned_title = first[9].get_attribute("title")
     first[9].click()  # pin position 9

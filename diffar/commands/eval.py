@@ -16,13 +16,16 @@ def register(subparsers) -> None:
     e.add_argument("--corpus", help="default: the corpus the checkpoint was trained on")
     e.add_argument("--limit", type=flags.positive_int, help="evaluate the first N examples only")
     e.add_argument("--batch-size", type=flags.positive_int, default=16)
+    e.add_argument("--block-size", type=flags.positive_int,
+                   help="perplexity window of a continuation model (default: its training block, else its context)")
     e.set_defaults(func=run)
 
 
 def run(args) -> None:
     from diffar.evaluation.evaluate import evaluate_checkpoint
 
-    report = evaluate_checkpoint(args.checkpoint, args.corpus, args.split, args.limit, args.batch_size)
+    report = evaluate_checkpoint(args.checkpoint, args.corpus, args.split, args.limit, args.batch_size,
+                                 args.block_size)
     print(json.dumps(report, indent=2))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

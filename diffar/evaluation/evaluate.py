@@ -77,8 +77,12 @@ def reconstruction(vqvae: TextVQVAE, tokenizer, corpus, limit: int | None, batch
 
 
 def evaluate_checkpoint(checkpoint: str, corpus_name: str | None, split: str, limit: int | None,
-                        batch_size: int) -> dict:
+                        batch_size: int, block_size: int | None = None) -> dict:
+    """`block_size`: the perplexity window of a continuation model (default: its training block, else its
+    context)."""
     model, tokenizer, meta = load_checkpoint(checkpoint)
+    if not (corpus_name or meta["corpus"]):
+        raise DiffarError("this checkpoint was imported, not trained on a corpus: name one with --corpus")
     corpus = load_corpus(corpus_name or meta["corpus"], split)
     if corpus.task != meta["task"]:
         raise DiffarError(f"{corpus.name} is a {corpus.task} corpus but the checkpoint was trained for {meta['task']}")
@@ -107,8 +111,11 @@ def evaluate_checkpoint(checkpoint: str, corpus_name: str | None, split: str, li
         dataset = build_dataset(dataclasses.replace(corpus, pairs=pairs), tokenizer, model.config.max_seq_len)
         nll = mean_nll(model, dataset, batch_size)
     else:
-        dataset = build_dataset(corpus, tokenizer, meta.get("block_size", model.config.max_seq_len))
-        report["windows"] = len(dataset.eval_indices(limit or len(dataset)))
+        block = block_size or meta.get("block_size", model.config.max_seq_len)
+        if block > model.config.max_seq_len:
+            raise DiffarError(f"a window of {block} tokens exceeds the model's context of {model.config.max_seq_len}")
+        dataset = build_dataset(corpus, tokenizer, block)
+        report.update(block_size=block, windows=len(dataset.eval_indices(limit or len(dataset))))
         nll = mean_nll(model, dataset, batch_size, limit)
     report.update(nll=round(nll, 4), perplexity=round(perplexity(nll), 3))
     return report
