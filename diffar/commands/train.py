@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 from diffar.commands import flags
+from diffar.data.corpora import load_corpus
+from diffar.errors import DiffarError
 from diffar.models.dd2 import PRESETS as DD2_PRESETS
 from diffar.models.refusion import PRESETS as REFUSION_PRESETS
 from diffar.models.transformer import PRESETS, Transformer, TransformerConfig
@@ -18,9 +20,12 @@ from diffar.training import setup
 def register(subparsers) -> None:
     tr = subparsers.add_parser("train", help="train a model (resumes if --out holds a run)")
     models = tr.add_subparsers(dest="model_kind", required=True, metavar="MODEL")
-    ar = models.add_parser("ar", help="the autoregressive transformer baseline", parents=[flags.training()])
-    ar.add_argument("--preset", default="small", choices=sorted(PRESETS))
-    ar.add_argument("--tokenizer", default=str(flags.DEFAULT_TOKENIZER))
+    ar = models.add_parser("ar", help="the autoregressive transformer baseline, or fine-tune one (--init)",
+                           parents=[flags.training()])
+    ar.add_argument("--preset", choices=sorted(PRESETS), help="a new model's size (default small)")
+    ar.add_argument("--init", help="an AR checkpoint (trained or imported) to fine-tune: its architecture, weights "
+                                   "and tokenizer")
+    ar.add_argument("--tokenizer", help=f"a new model's (default {flags.DEFAULT_TOKENIZER})")
     ar.add_argument("--block-size", type=flags.positive_int, help="training sequence length (default: the context)")
     ar.set_defaults(func=run_ar)
     _register_refusion(models)
@@ -68,12 +73,17 @@ def _register_refusion(models) -> None:
 
 def run_ar(args) -> None:
     flags.use_threads(args)
-    tokenizer = Tokenizer.load(args.tokenizer)
-    cfg = TransformerConfig.from_preset(args.preset, vocab_size=tokenizer.vocab_size)
-    torch.manual_seed(args.seed)
-    model = Transformer(cfg)
-    data = setup.datasets(tokenizer, args.corpus, args.valid_corpus, cfg.max_seq_len, args.block_size)
-    setup.fit(model, "ar", tokenizer, data, flags.train_config(args), args.out)
+    if args.init:
+        if args.preset or args.tokenizer:
+            raise DiffarError("--init brings its own architecture and tokenizer: drop --preset and --tokenizer")
+        model, tokenizer = setup.ar_start(args.init, load_corpus(args.corpus, "train").task)
+    else:
+        tokenizer = Tokenizer.load(args.tokenizer or flags.DEFAULT_TOKENIZER)
+        cfg = TransformerConfig.from_preset(args.preset or "small", vocab_size=tokenizer.vocab_size)
+        torch.manual_seed(args.seed)
+        model = Transformer(cfg)
+    data = setup.datasets(tokenizer, args.corpus, args.valid_corpus, model.config.max_seq_len, args.block_size)
+    setup.fit(model, "ar", tokenizer, data, flags.train_config(args), args.out, init=args.init)
 
 
 def run_refusion(args) -> None:

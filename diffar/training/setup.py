@@ -89,14 +89,27 @@ def canvas_datasets(tokenizer: Tokenizer, corpus: str, valid_corpus: str | None,
     return Datasets(data[0], data[1], train_corpus.task, train_corpus.name, vq_cfg.max_len)
 
 
-def fit(model: nn.Module, kind: str, tokenizer: Tokenizer, data: Datasets, config: TrainConfig, out: str) -> None:
-    """Train (or resume) in `out`; the checkpoint's meta records the model's config and the data it saw."""
+def fit(model: nn.Module, kind: str, tokenizer: Tokenizer, data: Datasets, config: TrainConfig, out: str,
+        init: str | None = None) -> None:
+    """Train (or resume) in `out`; the checkpoint's meta records the model's config, the data it saw and the
+    checkpoint it started from (`init`), if any."""
     meta = {"kind": kind, "model": model.config.to_dict(), "task": data.task, "corpus": data.corpus,
-            "block_size": data.block_size}
+            "block_size": data.block_size, **({"init": str(init)} if init else {})}
     metrics = Trainer(model, data.train, data.valid, config, out, meta, tokenizer).fit()
     if metrics:
         ppl = f", val ppl {metrics['val_ppl']:.2f}" if "val_ppl" in metrics else ""
         print(f"done: step {metrics['step']}, val loss {metrics['val_loss']:.4f}{ppl}")
+
+
+def ar_start(init: str, task: str) -> tuple[nn.Module, Tokenizer]:
+    """(the AR model of checkpoint `init` in fp32, its tokenizer) to fine-tune on a corpus of `task`. An imported
+    model has no source/target separator; seq2seq fine-tuning then gives that role to its end-of-sequence token
+    (recorded in the checkpoint's tokenizer config, so every later command reads pairs the same way)."""
+    model, tokenizer, _ = _load_kind(init, "ar", "--init", "an AR")
+    if task == "seq2seq" and tokenizer.sep_id is None:
+        tokenizer = Tokenizer(tokenizer.hf, {**tokenizer.specials, "sep": tokenizer.specials["eos"]},
+                              tokenizer.chat_template)
+    return model.train(), tokenizer
 
 
 def refusion_model(tokenizer_path: str, *, ar: str | None, init: str | None, preset: str, seed: int,
