@@ -75,7 +75,7 @@ def test_options_a_method_cannot_honour(checkpoints):
     with pytest.raises(OptionError) as e:
         dd2.settings(Options(tau=0.5))  # one step reads out at tau_min
     assert e.value.option == "tau"
-    with pytest.raises(OptionError, match="does not apply"):
+    with pytest.raises(OptionError, match="judge applies to method dd2 only, not to ar"):
         load_method(str(checkpoints["ar"]), judge=str(checkpoints["ar"]))
     with pytest.raises(OptionError, match="cannot decode"):
         load_method(str(checkpoints["ar"]), "dd2")

@@ -182,15 +182,16 @@ class DiffusionDrafter:
 
 def refusion_generate(model: RefusionModel, prompts: list[list[int]], max_new_tokens: int, *, k: int | None = None,
                       eos_id: int | None, schedule: DraftSchedule = DraftSchedule(),
-                      prompt_words: list[int] | None = None, sampling: SamplingConfig = SamplingConfig(),
+                      prompt_words: list[int] | None = None, pad_id: int = 0,
+                      sampling: SamplingConfig = SamplingConfig(),
                       generator: torch.Generator | None = None, on_token=None,
                       adaptive: bool = True, fixed: list[dict[int, int]] | None = None) -> GenerationResult:
     """ReFusion decoding of a batch, lossless unless `schedule.plan_threshold` is set; k (default: the model's
-    block) caps the drafts verified per AR pass. `on_token` and `fixed` (pinned tokens) as in
+    block) caps the drafts verified per AR pass. `on_token`, `fixed` (pinned tokens) and `pad_id` as in
     `speculative_generate`."""
     k = model.config.block if k is None else k
     if k > model.config.block:
         raise DiffarError(f"block size {k} exceeds the {model.config.block} tokens this model drafts per pass")
     return speculative_generate(model.ar, DiffusionDrafter(model, schedule, prompt_words), prompts, max_new_tokens,
-                                k=k, eos_id=eos_id, sampling=sampling, generator=generator, on_token=on_token,
-                                adaptive=adaptive, fixed=fixed)
+                                k=k, eos_id=eos_id, pad_id=pad_id, sampling=sampling, generator=generator,
+                                on_token=on_token, adaptive=adaptive, fixed=fixed)

@@ -256,6 +256,7 @@ def speculative_generate(
     *,
     k: int,
     eos_id: int | None,
+    pad_id: int = 0,
     sampling: SamplingConfig = SamplingConfig(),
     generator: torch.Generator | None = None,
     on_token: TokenCallback | None = None,
@@ -268,7 +269,10 @@ def speculative_generate(
     The proposer drafts up to k tokens per row (`adaptive`: fewer when little gets accepted); rows finish
     independently (eos, `max_new_tokens`, or the callback). `fixed[row]` pins output positions to tokens as
     in `decode_n_tokens`: a pin replaces whatever the block holds at its position and ends the block there,
-    so greedy output with pins equals plain AR greedy with the same pins.
+    so greedy output with pins equals plain AR greedy with the same pins. `pad_id` fills the left padding of
+    shorter prompts (masked: it never changes the output).
+
+    One loop, kept whole (~110 lines): draft, verify, accept and roll back all update the same batch state.
     """
     if k <= 0:
         raise DiffarError(f"block size (draft length) k must be positive, got {k}")
@@ -277,7 +281,7 @@ def speculative_generate(
     check_lengths(target, prompts, max_new_tokens)
     t0 = time.perf_counter()
     B = len(prompts)
-    batch = Batch.from_prompts(prompts, 0)
+    batch = Batch.from_prompts(prompts, pad_id)
     width = batch.tokens.shape[1]
     slots = width + max_new_tokens + 4 * (k + 1)
     target.setup_cache(B, slots)

@@ -44,11 +44,10 @@ class ARMethod:
     def generate(self, prompts: list[list[int]], budgets: int | list[int], settings: SamplingConfig, *,
                  on_token=None, on_step=None, generator=None, fixed=None, ignore_eos: bool = False) -> GenerationResult:
         budgets = per_row(budgets, len(prompts))
-        decode = dict(eos_id=None if ignore_eos else self.tokenizer.eos_id, sampling=settings, generator=generator,
-                      on_token=within_budgets(budgets, on_token), fixed=fixed)
+        decode = dict(eos_id=None if ignore_eos else self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
+                      sampling=settings, generator=generator, on_token=within_budgets(budgets, on_token), fixed=fixed)
         if self.proposer is None:
-            return generate(self.model, prompts, max(budgets), pad_id=self.tokenizer.pad_id, use_cache=self.use_cache,
-                            **decode)
+            return generate(self.model, prompts, max(budgets), use_cache=self.use_cache, **decode)
         return speculative_generate(self.model, self.proposer, prompts, max(budgets), k=self.k, **decode)
 
     def describe(self, result: GenerationResult, settings) -> tuple[str, str]:
@@ -82,5 +81,5 @@ class RefusionMethod(ARMethod):
         words = [len(self.tokenizer.decode(p).split()) for p in prompts] if self.schedule.dynamic else None
         return refusion_generate(self.refusion, prompts, max(budgets), k=self.k, schedule=self.schedule,
                                  prompt_words=words, eos_id=None if ignore_eos else self.tokenizer.eos_id,
-                                 sampling=settings, generator=generator, on_token=within_budgets(budgets, on_token),
-                                 fixed=fixed)
+                                 pad_id=self.tokenizer.pad_id, sampling=settings, generator=generator,
+                                 on_token=within_budgets(budgets, on_token), fixed=fixed)

@@ -46,6 +46,8 @@ class CancellingStream(StreamingResponse):
 
 def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int = 16, window_ms: float = 10.0,
                max_queue: int = 4096) -> FastAPI:
+    """The server's routes over one engine running `method`. They are closures over the engine and the
+    metrics, hence one function (~140 lines) of short routes; what a body means is serving/requests.py's."""
     metrics = Metrics()
     engine = Engine(method, method.tokenizer, max_batch_size=max_batch_size, window_ms=window_ms,
                     max_queue=max_queue, on_batch=metrics.observe_batch)
