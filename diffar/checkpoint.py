@@ -24,6 +24,7 @@ from diffar.models.dd2 import DD2Config, DD2Model
 from diffar.models.refusion import RefusionConfig, RefusionModel
 from diffar.models.transformer import Transformer, TransformerConfig
 from diffar.models.vqvae import TextVQVAE, VQVAEConfig
+from diffar.training.lora import add_lora, merge_lora
 from diffar.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
@@ -127,12 +128,16 @@ def load_checkpoint(path: str | Path, tokenizer_path: str | Path | None = None,
         model = model_cls(config_cls.from_dict(meta["model"]))
     except (TypeError, ValueError) as e:
         raise DiffarError(f"corrupt checkpoint {path}: bad model config ({e})") from e
+    if meta.get("lora"):  # a LoRA fine-tuning run: frozen weights + adapters, merged once loaded
+        model = add_lora(model, **meta["lora"])
     try:
         missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
     except (OSError, SafetensorError, RuntimeError, ValueError) as e:
         raise DiffarError(f"corrupt checkpoint {path}: model.safetensors cannot be read") from e
     if missing or unexpected:
         raise DiffarError(f"corrupt checkpoint {path}: weights do not match config.json")
+    if meta.get("lora"):
+        model, meta = merge_lora(model), {k: v for k, v in meta.items() if k != "lora"}
     tokenizer_path = tokenizer_path or path / "tokenizer.json"
     tokenizer = Tokenizer.load(tokenizer_path)
     if tokenizer.sha256 != meta.get("tokenizer_sha256"):

@@ -9,7 +9,7 @@ import torch
 from test_llama_import import hf_llama
 
 from conftest import assert_clean_error, run_cli
-from diffar.checkpoint import load_checkpoint
+from diffar.checkpoint import load_checkpoint, read_meta, resolve
 from diffar.data.batching import build_dataset
 from diffar.data.corpora import load_corpus
 from diffar.evaluation.metrics import mean_nll
@@ -56,8 +56,31 @@ def test_finetune_an_imported_llama_on_pairs(tokenizer, tmp_path):
     assert gen.returncode == 0, gen.stderr
 
 
+def test_lora_trains_adapters_only_and_resumes_exactly(tiny_run, tmp_path):
+    """With --lora-rank the model stays frozen: once merged, embeddings and norms are the starting model's, the
+    block projections moved; a run stopped and resumed ends where an uninterrupted one does (at a constant
+    learning rate, which does not depend on --max-steps)."""
+    lora = ("--init", tiny_run, "--corpus", "kjv2web", "--lora-rank", "4", "--lr", "1e-2", "--min-lr-ratio", "1",
+            "--eval-every", "3", "--save-every", "2", *FINETUNE)
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert run_cli("train", "ar", *lora, "--out", whole, "--max-steps", "3").returncode == 0
+    assert run_cli("train", "ar", *lora, "--out", split, "--max-steps", "2").returncode == 0
+    resumed = run_cli("train", "ar", *lora, "--out", split, "--max-steps", "3")
+    assert resumed.returncode == 0 and "resuming at step 2" in resumed.stdout, resumed.stderr
+    assert read_meta(resolve(whole))["lora"] == {"rank": 4, "alpha": 16.0}
+    start, _, _ = load_checkpoint(tiny_run)
+    tuned, _, meta = load_checkpoint(whole)
+    again, _, _ = load_checkpoint(split)
+    assert "lora" not in meta and list(tuned.state_dict()) == list(start.state_dict())
+    for name, weight in tuned.state_dict().items():
+        assert torch.equal(weight, again.state_dict()[name]), name
+        adapted = name.endswith(("qkv.weight", "proj.weight", "gate_up.weight", "down.weight"))
+        assert torch.equal(weight, start.state_dict()[name]) != adapted, name
+
+
 def test_finetune_bad_input(tiny_run, tiny_dd2, tmp_path):
     args = ("train", "ar", "--corpus", "kjv2web", "--out", tmp_path / "x", "--max-steps", "1")
     assert_clean_error(run_cli(*args, "--init", tiny_run, "--preset", "tiny"), "drop --preset and --tokenizer")
     assert_clean_error(run_cli(*args, "--init", tiny_dd2 / "x0"), "not an AR one")
     assert_clean_error(run_cli(*args, "--init", tmp_path / "missing"), "no checkpoint")
+    assert_clean_error(run_cli(*args, "--lora-rank", "4"), "pass --init")

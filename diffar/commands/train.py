@@ -15,6 +15,7 @@ from diffar.models.vqvae import PRESETS as VQVAE_PRESETS
 from diffar.models.vqvae import TextVQVAE, VQVAEConfig
 from diffar.tokenizer import Tokenizer
 from diffar.training import setup
+from diffar.training.lora import add_lora
 
 
 def register(subparsers) -> None:
@@ -26,6 +27,9 @@ def register(subparsers) -> None:
     ar.add_argument("--init", help="an AR checkpoint (trained or imported) to fine-tune: its architecture, weights "
                                    "and tokenizer")
     ar.add_argument("--tokenizer", help=f"a new model's (default {flags.DEFAULT_TOKENIZER})")
+    ar.add_argument("--lora-rank", type=flags.positive_int,
+                    help="with --init: train rank-R adapters on every linear layer (peft), the model frozen")
+    ar.add_argument("--lora-alpha", type=float, default=16.0, help="the adapters' scale is alpha / rank (default 16)")
     ar.add_argument("--block-size", type=flags.positive_int, help="training sequence length (default: the context)")
     ar.set_defaults(func=run_ar)
     _register_refusion(models)
@@ -73,17 +77,22 @@ def _register_refusion(models) -> None:
 
 def run_ar(args) -> None:
     flags.use_threads(args)
+    lora = {"rank": args.lora_rank, "alpha": args.lora_alpha} if args.lora_rank else None
+    torch.manual_seed(args.seed)  # a new model's weights, or new adapters'
     if args.init:
         if args.preset or args.tokenizer:
             raise DiffarError("--init brings its own architecture and tokenizer: drop --preset and --tokenizer")
         model, tokenizer = setup.ar_start(args.init, load_corpus(args.corpus, "train").task)
+        if lora:
+            model = add_lora(model, **lora)
+    elif lora:
+        raise DiffarError("--lora-rank adapts a trained model: pass --init CHECKPOINT")
     else:
         tokenizer = Tokenizer.load(args.tokenizer or flags.DEFAULT_TOKENIZER)
         cfg = TransformerConfig.from_preset(args.preset or "small", vocab_size=tokenizer.vocab_size)
-        torch.manual_seed(args.seed)
         model = Transformer(cfg)
     data = setup.datasets(tokenizer, args.corpus, args.valid_corpus, model.config.max_seq_len, args.block_size)
-    setup.fit(model, "ar", tokenizer, data, flags.train_config(args), args.out, init=args.init)
+    setup.fit(model, "ar", tokenizer, data, flags.train_config(args), args.out, init=args.init, lora=lora)
 
 
 def run_refusion(args) -> None:

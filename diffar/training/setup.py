@@ -90,11 +90,11 @@ def canvas_datasets(tokenizer: Tokenizer, corpus: str, valid_corpus: str | None,
 
 
 def fit(model: nn.Module, kind: str, tokenizer: Tokenizer, data: Datasets, config: TrainConfig, out: str,
-        init: str | None = None) -> None:
-    """Train (or resume) in `out`; the checkpoint's meta records the model's config, the data it saw and the
-    checkpoint it started from (`init`), if any."""
+        init: str | None = None, lora: dict | None = None) -> None:
+    """Train (or resume) in `out`; the checkpoint's meta records the model's config, the data it saw, the
+    checkpoint it started from (`init`) and its adapters (`lora`: add_lora's arguments), if any."""
     meta = {"kind": kind, "model": model.config.to_dict(), "task": data.task, "corpus": data.corpus,
-            "block_size": data.block_size, **({"init": str(init)} if init else {})}
+            "block_size": data.block_size, **({"init": str(init)} if init else {}), **({"lora": lora} if lora else {})}
     metrics = Trainer(model, data.train, data.valid, config, out, meta, tokenizer).fit()
     if metrics:
         ppl = f", val ppl {metrics['val_ppl']:.2f}" if "val_ppl" in metrics else ""
