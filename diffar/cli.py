@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from diffar.commands import bench, distill, export, generate, loadtest, serve, tokenizer, train
+from diffar.commands import bench, chat, distill, export, generate, loadtest, serve, tokenizer, train
 from diffar.commands import eval as evaluate
 from diffar.commands import import_
 from diffar.errors import DiffarError
 
-COMMANDS = (tokenizer, train, distill, export, import_, generate, evaluate, bench, serve, loadtest)  # in --help's order
+COMMANDS = (tokenizer, train, distill, export, import_, generate, chat, evaluate, bench, serve, loadtest)  # in --help's order
 
 
 class _Parser(argparse.ArgumentParser):

@@ -3,6 +3,7 @@
 Byte-level pre-tokenisation without normalisation makes decode(encode(text)) == text for any string.
 An imported model's tokenizer names its own special tokens and may carry a chat template; both live in
 `<name>_config.json` next to `<name>.json` (for `tokenizer.json`, Hugging Face's `tokenizer_config.json`).
+`encode_chat` renders a conversation through that template (diffar/chat_template.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from diffar.chat_template import ChatTemplate, mark_literal, split_specials
 from diffar.errors import DiffarError
 
 ROLES = ("pad", "bos", "eos", "sep", "mask")
@@ -39,7 +41,7 @@ class Tokenizer:
             raise DiffarError(f"tokenizer lacks special tokens {missing}{hint}")
         if "pad" not in self.specials or "eos" not in self.specials:
             raise DiffarError("tokenizer names no pad or no end-of-sequence token")
-        self.hf, self.chat_template = hf, chat_template
+        self.hf, self.chat_template, self._chat = hf, chat_template, None
         self.hf.encode_special_tokens = True  # "<sep>" typed by a user is text, not the separator
         self.pad_id, self.bos_id, self.eos_id, self.sep_id, self.mask_id = (
             hf.token_to_id(self.specials[r]) if r in self.specials else None for r in ROLES)
@@ -62,6 +64,19 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """A conversation ({"role", "content"} dicts) rendered by the model's chat template, as ids: the special
+        tokens the template writes become their ids, those typed in a message stay text. With
+        `add_generation_prompt` it ends where the assistant's answer begins."""
+        if self.chat_template is None:
+            raise DiffarError("this model has no chat template (only an imported chat model has one)")
+        if self._chat is None:
+            self._chat = ChatTemplate(self.chat_template, {f"{r}_token": t for r, t in self.specials.items()})
+        specials = {t.content: i for i, t in self.hf.get_added_tokens_decoder().items() if t.special}
+        marked = [{**m, "content": mark_literal(m["content"], specials)} for m in messages]
+        pieces = split_specials(self._chat.render(marked, add_generation_prompt), specials)
+        return [i for p in pieces for i in ([p] if isinstance(p, int) else self.encode(p))]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)

@@ -126,6 +126,18 @@ def tiny_dd2(tiny_vqvae, tiny_run, tmp_path_factory):
     return runs
 
 
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(tmp_path_factory):
+    """SmolLM2-135M-Instruct imported (fp32) from the GGUF file pip delivers (`make test` installs it): a chat
+    model with a chat template."""
+    from diffar.importing import import_model
+    from diffar.importing.embedded import smollm2_gguf
+
+    out = tmp_path_factory.mktemp("smollm2") / "ckpt"
+    import_model(smollm2_gguf(), out, dtype="fp32")
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -76,6 +76,18 @@ def test_dynamic_schedule_is_lossless_and_skips_short_prompts(model):
     assert lossless.tokens == plain and lossless.extra["drafted"] > 0  # the word rule is the dynamic schedule's
 
 
+def test_draft_trees_are_lossless(model):
+    """Trees of the diffusion stream's likeliest drafts: the AR text, with eos inside and rows of a batch."""
+    plain = plain_ar(model, PROMPTS, 40)
+    eos = plain[0][7]
+    expected = plain_ar(model, PROMPTS, 40, eos_id=eos)
+    for nodes in (1, 8, 24):
+        tree = refusion_generate(model, PROMPTS, 40, eos_id=eos, schedule=DraftSchedule(tree=nodes))
+        assert tree.tokens == expected and tree.extra["drafted"] > 0
+    with pytest.raises(DiffarError, match="draft tree"):
+        DraftSchedule(tree=8, plan_threshold=0.5)
+
+
 class Recording(DiffusionDrafter):
     def propose(self, *args):
         out = super().propose(*args)

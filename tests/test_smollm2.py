@@ -16,19 +16,16 @@ from diffar.data.batching import build_dataset
 from diffar.data.corpora import load_corpus
 from diffar.decoding.ar import generate
 from diffar.evaluation.evaluate import evaluate_checkpoint
-from diffar.importing import import_model
 from diffar.importing.embedded import smollm2_gguf
 
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(smollm2_checkpoint):
     """(transformers' model and tokenizer, diffar's fp32 import, its tokenizer and its folder), all from the one
     GGUF file."""
-    path = smollm2_gguf()
-    out = tmp_path_factory.mktemp("smollm2") / "ckpt"
-    import_model(path, out, dtype="fp32")
+    path, out = smollm2_gguf(), smollm2_checkpoint
     model, tokenizer, meta = load_checkpoint(out)
     reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return reference.eval(), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name), model, tokenizer, out

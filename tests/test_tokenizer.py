@@ -39,7 +39,7 @@ def test_corrupt_file_is_a_clear_error(tmp_path):
 
 
 def test_vocab_too_small_rejected():
-    with pytest.raises(DiffarError, match="vocab-size"):
+    with pytest.raises(DiffarError, match="vocab_size"):
         train_tokenizer(["abc"], vocab_size=100)
 
 

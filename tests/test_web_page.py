@@ -71,3 +71,24 @@ def test_generate_pin_edit_regenerate(browser, page):
     assert len(after) > 9 and after[9].get_attribute("title") == pinned_title  # same position, same token id
     server_text = browser.execute_script("return tokens.map(t => t.text).join('')")  # what the server sent
     assert " Zebra" in server_text and "pinned" in after[2].get_attribute("class")  # now pinned by id
+
+
+@pytest.fixture(scope="module")
+def chat_page(smollm2_checkpoint):
+    proc, url = start_server(smollm2_checkpoint)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_a_chat_model_answers_on_the_page(browser, chat_page):
+    """With a chat model the page sends the prompt as a user message: the answer, not a continuation."""
+    browser.get(chat_page + "/")
+    WebDriverWait(browser, 20).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#method option"))
+    WebDriverWait(browser, 10).until(lambda d: d.execute_script("return chat"))
+    browser.find_element(By.ID, "prompt").send_keys("What is the capital of France?")
+    browser.find_element(By.ID, "max-tokens").clear()
+    browser.find_element(By.ID, "max-tokens").send_keys("16")
+    generate(browser, "generate")
+    assert "Paris" in browser.find_element(By.ID, "output").text
+    assert "finish: stop" in browser.find_element(By.ID, "stats").text  # the end-of-turn token ended it

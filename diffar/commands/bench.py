@@ -23,9 +23,14 @@ def register(subparsers) -> None:
     b = subparsers.add_parser("bench", help="measure decoding speed; writes JSON records")
     methods = b.add_subparsers(dest="method", required=True, metavar="METHOD")
     json_out = flags.out("JSON file to write")
-    bar = methods.add_parser("ar", help="AR with vs without the KV cache", parents=[flags.dtype(), json_out])
+    bar = methods.add_parser("ar", help="AR with vs without the KV cache, and against transformers' generate",
+                             parents=[flags.dtype(), flags.device(), json_out])
     bar.add_argument("--checkpoint", default="checkpoints/ar-kjv2web")
-    bar.add_argument("--corpus", help="prompts from this corpus's test split (default: the checkpoint's corpus)")
+    bar.add_argument("--corpus", help="prompts from this corpus's test split (default: the checkpoint's corpus; an "
+                                      "imported model needs one)")
+    bar.add_argument("--methods", nargs="+", choices=["ar", "ar-nocache"], default=["ar", "ar-nocache"])
+    bar.add_argument("--peer", choices=["transformers"],
+                     help="also time this library's generate on the same weights (greedy text compared with ar's)")
     bar.add_argument("--batch-sizes", type=flags.positive_int, nargs="+", default=[1, 8])
     bar.add_argument("--new-tokens", type=flags.positive_int, default=256)
     bar.add_argument("--repeats", type=flags.positive_int, default=1)
@@ -65,7 +70,8 @@ def register(subparsers) -> None:
 def run_ar(args) -> None:
     from diffar.evaluation.bench import bench_ar, print_table, write_records
 
-    records = bench_ar(args.checkpoint, args.corpus, args.batch_sizes, args.new_tokens, args.repeats, args.dtype)
+    records = bench_ar(args.checkpoint, args.corpus, args.batch_sizes, args.new_tokens, args.repeats, args.dtype,
+                       tuple(args.methods), args.peer, args.device)
     print_table(records)
     write_records(records, args.out)
 

@@ -10,7 +10,7 @@ from diffar.commands import flags
 
 def register(subparsers) -> None:
     e = subparsers.add_parser("eval", help="BLEU-4/chrF/ROUGE-L and perplexity on a corpus split",
-                              parents=[flags.split(["train", "valid", "test"], help=None),
+                              parents=[flags.split(["train", "valid", "test"], help=None), flags.dtype(),
                                        flags.out("also write the report as JSON", required=False)])
     e.add_argument("--checkpoint", required=True)
     e.add_argument("--corpus", help="default: the corpus the checkpoint was trained on")
@@ -25,7 +25,7 @@ def run(args) -> None:
     from diffar.evaluation.evaluate import evaluate_checkpoint
 
     report = evaluate_checkpoint(args.checkpoint, args.corpus, args.split, args.limit, args.batch_size,
-                                 args.block_size)
+                                 args.block_size, args.dtype)
     print(json.dumps(report, indent=2))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

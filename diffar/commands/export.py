@@ -17,7 +17,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> None:
-    from diffar.checkpoint import DTYPES, load_checkpoint, write_checkpoint
+    from diffar.checkpoint import load_checkpoint, write_checkpoint
+    from diffar.models.precision import DTYPES
 
     out = Path(args.out)
     if out.exists():

@@ -14,8 +14,9 @@ from diffar.training.trainer import TrainConfig
 DEFAULT_TOKENIZER = Path(__file__).resolve().parents[2] / "tokenizer" / "diffar-8k.json"
 CORPORA = f"an embedded corpus ({', '.join(EMBEDDED)}), a text file/folder, or a JSONL of source/target"
 SPLIT_HELP = "valid for comparing training choices (ablations), test for the reported figures"
-INFERENCE_DTYPES = ("fp32", "bf16")
-DTYPE_HELP = "weights and activations at inference; bf16 is faster on CPUs with bf16 matrix units"
+INFERENCE_DTYPES = ("fp32", "bf16", "int8")
+DTYPE_HELP = ("weights and activations at inference; bf16 is faster on CPUs with bf16 matrix units; int8: "
+              "int8 weights in the linear layers, bf16 activations (CPU only)")
 
 
 def positive_int(text: str) -> int:
@@ -42,6 +43,13 @@ def dtype(help: str = DTYPE_HELP) -> argparse.ArgumentParser:
     """The precision a generating command runs its models at."""
     p = _parent()
     p.add_argument("--dtype", default="fp32", choices=INFERENCE_DTYPES, help=help)
+    return p
+
+
+def device() -> argparse.ArgumentParser:
+    """Where a generating command runs its models (decoding follows the model)."""
+    p = _parent()
+    p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (an error if this machine has none)")
     return p
 
 

@@ -1,9 +1,12 @@
 """`diffar generate`: text from a prompt (argument or stdin) with AR (optionally speculative), ReFusion or DD2,
-streamed to stdout, then one line of speed on stderr."""
+streamed to stdout, then one line of speed on stderr. `--chat` sends the prompt to a chat model as one user
+message. `stream_answer` and `speed_line` are shared with `diffar chat`."""
 
 from __future__ import annotations
 
+import argparse
 import sys
+from dataclasses import replace
 
 from diffar.commands import flags
 from diffar.errors import DiffarError
@@ -11,14 +14,13 @@ from diffar.errors import DiffarError
 
 def register(subparsers) -> None:
     g = subparsers.add_parser("generate", help="generate text from a prompt (argument or stdin), streaming",
-                              parents=[flags.seed(), flags.dtype(flags.DTYPE_HELP + ", every model loaded")])
+                              parents=[flags.seed(), flags.dtype(flags.DTYPE_HELP + ", every model loaded"),
+                                       flags.device(), sampling_flags()])
     g.add_argument("--checkpoint", required=True)
     g.add_argument("--tokenizer", help="override the checkpoint's own tokenizer (must be the same one)")
     g.add_argument("--prompt", help="prompt text (default: read stdin)")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--chat", action="store_true",
+                   help="a chat model (an imported one with a chat template): the prompt is one user message")
     g.add_argument("--no-cache", action="store_true", help="recompute every step (slow; for comparison)")
     g.add_argument("--no-echo", action="store_true", help="do not repeat a continuation prompt")
     g.add_argument("--draft", help="speculative decoding: a small AR checkpoint (same tokenizer) drafts tokens")
@@ -44,7 +46,66 @@ def register(subparsers) -> None:
                    help="refusion: keep drafts at least this confident unverified (faster, not lossless)")
     g.add_argument("--plan-slot", type=flags.positive_int, default=1, metavar="N",
                    help="refusion --plan-infill: plan slots of N tokens, each kept or infilled whole (default 1)")
+    g.add_argument("--tree", type=flags.positive_int, metavar="NODES",
+                   help="refusion: verify a tree of the NODES likeliest drafts in each pass (lossless)")
     g.set_defaults(func=run)
+
+
+def sampling_flags() -> argparse.ArgumentParser:
+    """The budget and sampling flags of the commands that write an AR model's text (generate, chat)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    return p
+
+
+def sampling_options(args):
+    """The `Options` that `sampling_flags` give (0 and 1.0 leave them to the method)."""
+    from diffar.generation import Options
+
+    return Options(temperature=args.temperature or None, top_k=args.top_k or None,
+                   top_p=None if args.top_p == 1.0 else args.top_p)
+
+
+def chat_ids(method, messages: list[dict[str, str]], checkpoint: str) -> list[int]:
+    """A conversation rendered by the model's chat template, up to where the assistant's answer begins."""
+    if method.tokenizer.chat_template is None:
+        raise DiffarError(f"{checkpoint} has no chat template: only a chat model imported with one (e.g. "
+                          f"`make smollm2`) can chat")
+    if method.task != "continuation":
+        raise DiffarError(f"{checkpoint} is a {method.task} model; only a continuation (chat) model can chat")
+    return method.tokenizer.encode_chat(messages)
+
+
+def stream_answer(method, ids: list[int], budget: int, settings, generator):
+    """Generate up to `budget` tokens after `ids`, writing the text to stdout as it becomes safe to show (whole
+    characters) and ending the line; returns (the text, the GenerationResult)."""
+    tokenizer, new, printed = method.tokenizer, [], ""
+
+    def stream(row: int, token: int) -> None:
+        nonlocal printed
+        new.append(token)
+        text = tokenizer.decode_complete(new)
+        if text is not None:
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+
+    result = method.generate([ids], budget, settings, on_token=stream, generator=generator)
+    text = tokenizer.decode(new)
+    sys.stdout.write(text[len(printed):] + "\n")
+    sys.stdout.flush()
+    return text, result
+
+
+def speed_line(method, result, settings, prompt_tokens: int, dtype: str) -> str:
+    """The one line of speed every generating command prints (on stderr) after its text."""
+    label, passes = method.describe(result, settings)
+    n = result.new_tokens
+    return (f"[{label}] {n} tokens in {result.seconds:.3f} s = {n / result.seconds:.1f} tokens/s | {passes} | "
+            f"prompt {prompt_tokens} tokens | batch 1 | {dtype}")
 
 
 # the `Options` field each generation flag sets
@@ -55,11 +116,9 @@ OPTION_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--
 
 def _options(args, method: str):
     """The sampling options the flags give; a flag the method does not read is an error, not ignored."""
-    from diffar.generation import METHODS, Options
+    from diffar.generation import METHODS
 
-    options = Options(temperature=args.temperature or None, top_k=args.top_k or None,
-                      top_p=None if args.top_p == 1.0 else args.top_p,
-                      steps=None if method == "refusion" else args.steps,  # refusion's steps are its drafts'
+    options = replace(sampling_options(args), steps=None if method == "refusion" else args.steps,  # its drafts'
                       guidance_scale=args.guidance, preset=args.preset, tau=args.tau, tau_min=args.tau_min,
                       sampler=args.sampler, adaptive=args.adaptive_steps, best_of=args.best_of or 1)
     unread = sorted(OPTION_FLAGS[name] for name in options.given() - METHODS[method].options)
@@ -85,38 +144,23 @@ def run(args) -> None:
     if args.k is not None and args.k <= 0:
         raise DiffarError(f"--k must be positive, got {args.k}")
     name = resolve_method(args.checkpoint, args.method)
-    if name != "refusion" and (args.dynamic or args.plan_infill is not None):
-        raise DiffarError("--dynamic and --plan-infill apply to --method refusion only")
+    if name != "refusion" and (args.dynamic or args.plan_infill is not None or args.tree):
+        raise DiffarError("--dynamic, --plan-infill and --tree apply to --method refusion only")
     if args.plan_slot != 1 and args.plan_infill is None:
         raise DiffarError("--plan-slot sizes --plan-infill's slots; pass --plan-infill THRESHOLD too")
     options = _options(args, name)
     schedule = DraftSchedule(steps=1 if args.steps is None else args.steps, dynamic=args.dynamic,
-                             plan_threshold=args.plan_infill, plan_slot=args.plan_slot) if name == "refusion" else None
+                             plan_threshold=args.plan_infill, plan_slot=args.plan_slot, tree=args.tree or 0) \
+        if name == "refusion" else None
     method = load_method(args.checkpoint, name, dtype=args.dtype, tokenizer=args.tokenizer, draft=args.draft,
                          prompt_lookup=args.prompt_lookup, k=args.k, schedule=schedule, judge=args.judge,
-                         hybrid=args.hybrid, use_cache=not args.no_cache)
+                         hybrid=args.hybrid, use_cache=not args.no_cache, device=args.device)
     settings = method.settings(options)
-    ids = method.prompt(text)
+    ids = chat_ids(method, [{"role": "user", "content": text}], args.checkpoint) if args.chat else method.prompt(text)
     if method.room(ids, settings) <= 0:
         raise DiffarError(f"the prompt ({len(ids)} tokens) leaves this model no room to write")
-    tokenizer, new, printed = method.tokenizer, [], ""
-
-    def stream(row: int, token: int) -> None:
-        nonlocal printed
-        new.append(token)
-        text = tokenizer.decode_complete(new)
-        if text is not None:
-            sys.stdout.write(text[len(printed):])
-            sys.stdout.flush()
-            printed = text
-
-    if method.task == "continuation" and not args.no_echo:
+    if method.task == "continuation" and not (args.no_echo or args.chat):
         sys.stdout.write(text)
-    result = method.generate([ids], args.max_new_tokens, settings, on_token=stream,
-                             generator=torch.Generator().manual_seed(args.seed))
-    sys.stdout.write(tokenizer.decode(new)[len(printed):] + "\n")
-    sys.stdout.flush()
-    label, passes = method.describe(result, settings)
-    n = result.new_tokens
-    print(f"[{label}] {n} tokens in {result.seconds:.3f} s = {n / result.seconds:.1f} tokens/s | {passes} | "
-          f"prompt {len(ids)} tokens | batch 1 | {args.dtype}", file=sys.stderr)
+    _, result = stream_answer(method, ids, args.max_new_tokens, settings,
+                              torch.Generator().manual_seed(args.seed))
+    print(speed_line(method, result, settings, len(ids), args.dtype), file=sys.stderr)

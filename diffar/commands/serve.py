@@ -9,7 +9,7 @@ from diffar.commands import flags
 
 def register(subparsers) -> None:
     sv = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with dynamic batching and streaming",
-                               parents=[flags.dtype()])
+                               parents=[flags.dtype(), flags.device()])
     sv.add_argument("--checkpoint", required=True)
     sv.add_argument("--method", choices=("ar", "dd2", "refusion"),
                     help="decoding method (default: the checkpoint's kind; a ReFusion checkpoint can also serve its AR "
@@ -33,7 +33,7 @@ def run(args) -> None:
     from diffar.generation import load_method
     from diffar.serving.app import create_app
 
-    method = load_method(args.checkpoint, args.method, dtype=args.dtype, judge=args.judge)
+    method = load_method(args.checkpoint, args.method, dtype=args.dtype, device=args.device, judge=args.judge)
     app = create_app(method, args.model_id or Path(args.checkpoint).resolve().name, max_batch_size=args.max_batch_size,
                      window_ms=args.batch_window_ms, max_queue=args.max_queue)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, backlog=4096)

@@ -18,6 +18,7 @@ from diffar.data.batching import pad_right
 from diffar.decoding.result import GenerationResult
 from diffar.decoding.sampling import SamplingConfig, sample_next
 from diffar.errors import DiffarError
+from diffar.models.precision import model_device
 from diffar.models.transformer import Transformer
 
 # (row, token id), called as each token is produced; returning False stops that row (a stop string,
@@ -33,12 +34,13 @@ class Batch:
     pad: torch.Tensor  # (B,)
 
     @classmethod
-    def from_prompts(cls, prompts: list[list[int]], pad_id: int) -> Batch:
+    def from_prompts(cls, prompts: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> Batch:
+        """On `device`: the model's, so that positions and masks are made where the model reads them."""
         width = max(len(p) for p in prompts)
         tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
         for row, p in enumerate(prompts):
             tokens[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        return cls(tokens, torch.tensor([width - len(p) for p in prompts]))
+        return cls(tokens.to(device), torch.tensor([width - len(p) for p in prompts], device=device))
 
     @property
     def padded(self) -> bool:
@@ -46,15 +48,16 @@ class Batch:
 
     def positions(self, start: int, length: int) -> torch.Tensor:
         """RoPE positions (B, length) of cache slots [start, start+length)."""
-        return (torch.arange(start, start + length).unsqueeze(0) - self.pad.unsqueeze(1)).clamp(min=0)
+        steps = torch.arange(start, start + length, device=self.pad.device)
+        return (steps.unsqueeze(0) - self.pad.unsqueeze(1)).clamp(min=0)
 
     def attn_mask(self, start: int, length: int) -> torch.Tensor | None:
         """(B, 1, length, start+length) bool: causal, blind to padding. None when plain causal attention
         does the same: nothing padded, and either one new token or no cached ones before these."""
         if not self.padded and (length == 1 or start == 0):
             return None
-        q = torch.arange(start, start + length).view(1, -1, 1)
-        k = torch.arange(start + length).view(1, 1, -1)
+        q = torch.arange(start, start + length, device=self.pad.device).view(1, -1, 1)
+        k = torch.arange(start + length, device=self.pad.device).view(1, 1, -1)
         real = k >= self.pad.view(-1, 1, 1)
         # A padding query attends to itself only, so its (unused) output stays finite.
         return ((k <= q) & (real | (k == q))).unsqueeze(1)
@@ -171,7 +174,7 @@ def generate(
     """Generate up to `max_new_tokens` after each prompt (a list of token ids per row); see
     `decode_n_tokens` for `fixed` (pinned tokens)."""
     check_lengths(model, prompts, max_new_tokens)
-    batch = Batch.from_prompts(prompts, pad_id)
+    batch = Batch.from_prompts(prompts, pad_id, model_device(model))
     t0 = time.perf_counter()
     if use_cache:
         model.setup_cache(len(prompts), batch.tokens.shape[1] + max_new_tokens)
@@ -200,7 +203,7 @@ def log_likelihoods(model: Transformer, prompts: list[list[int]], outputs: list[
     if max(map(len, seqs)) - 1 > model.config.max_seq_len:
         raise DiffarError(f"prompt + output exceeds the model's context of {model.config.max_seq_len} tokens")
     ids, _ = pad_right(seqs, pad_id)
-    device = model.tok_emb.weight.device
+    device = model_device(model)
     hidden = model.hidden_states(ids[:, :-1].to(device))
     rows = torch.tensor([r for r, o in enumerate(outputs) for _ in o], dtype=torch.long)
     cols = torch.tensor([len(p) + j for p, o in zip(prompts, outputs) for j in range(len(o))], dtype=torch.long)

@@ -28,6 +28,7 @@ import torch
 from diffar.decoding.sampling import SamplingConfig, probabilities
 from diffar.decoding.result import GenerationResult
 from diffar.decoding.speculative import DecodeState, Draft, speculative_generate
+from diffar.decoding.tree import best_first
 from diffar.diffusion.scheduler import DDIMScheduler
 from diffar.errors import DiffarError
 from diffar.models.refusion import RefusionModel, TextDiffuser
@@ -44,6 +45,7 @@ class DraftSchedule:
     min_prompt_words: int = 15  # dynamic: prompts of fewer words are decoded by the AR stream alone
     plan_threshold: float | None = None  # plan-and-infill: keep drafts this confident unverified (lossy)
     plan_slot: int = 1  # plan-and-infill: tokens per slot, planned (kept) or infilled as a whole
+    tree: int = 0  # > 0: verify a tree of this many likeliest drafts (decoding/tree.py) instead of one chain
 
     def __post_init__(self):
         if min(self.steps, self.full_steps, self.mid_steps) <= 0:
@@ -55,6 +57,8 @@ class DraftSchedule:
             raise DiffarError(f"the plan-and-infill threshold must be in (0, 1], got {self.plan_threshold}")
         if self.plan_slot <= 0:
             raise DiffarError(f"the plan-and-infill slot must be at least 1 token, got {self.plan_slot}")
+        if self.tree < 0 or (self.tree and self.plan_threshold is not None):
+            raise DiffarError(f"a draft tree needs a node budget >= 0 and no plan-and-infill, got {self.tree}")
 
     def steps_for(self, progress: float, confidence: float) -> int:
         """Denoising steps for a row `progress` of the way through its output (0: do not draft)."""
@@ -87,7 +91,7 @@ def denoise_block(diffuser: TextDiffuser, context: torch.Tensor, context_mask: t
     anchor = diffuser.embed(anchor).unsqueeze(1)
     z = noise
     for t in scheduler.timesteps.tolist():
-        times = torch.full((len(z), z.shape[1] + 1), t)
+        times = torch.full((len(z), z.shape[1] + 1), t, device=z.device)
         times[:, 0] = 0.0
         x0 = diffuser(torch.cat([anchor, z], dim=1), times, context, context_mask, kv=kv)[:, 1:]
         logits = diffuser.logits(x0, table)
@@ -138,7 +142,7 @@ class DiffusionDrafter:
             if n:
                 seq_t = torch.tensor(seq[first:first + n + 1])
                 tokens[r, valid] = torch.stack([seq_t[:-1], seq_t[1:]], dim=-1)
-        new = self.model.diffuser.context_kv(state.hidden[:, lo:hi], tokens)
+        new = self.model.diffuser.context_kv(state.hidden[:, lo:hi], tokens.to(state.hidden.device))
         for i, (k, v) in new.items():
             if i not in self.kv:
                 shape = (B, k.shape[1], state.valid.shape[1], k.shape[3])
@@ -157,17 +161,20 @@ class DiffusionDrafter:
             return out
         d = self.model.diffuser
         index = torch.tensor(rows)
-        noise = torch.randn(len(rows), self.model.config.block, d.d_model, generator=self.noise).to(d.out.weight.dtype)
-        anchor = torch.tensor([state.seqs[r][-1] for r in rows])
+        noise = torch.randn(len(rows), self.model.config.block, d.d_model, generator=self.noise).to(d.tok_emb.weight)
+        anchor = torch.tensor([state.seqs[r][-1] for r in rows], device=noise.device)
         self._update_kv(state)
         w = state.write
         kv = {i: (k[index, :, :w], v[index, :, :w]) for i, (k, v) in self.kv.items()}
-        logits = denoise_block(d, state.hidden[index, :w], state.valid[index, :w], kv, anchor, noise,
+        logits = denoise_block(d, state.hidden[index, :w], state.valid[index, :w].to(noise.device), kv, anchor, noise,
                                max(steps), self.table)[:, :k].float()
         self.passes += max(steps)
         confidence = torch.softmax(logits, -1).amax(-1) if schedule.dynamic or schedule.plan_threshold else None
         for i, r in enumerate(rows):
-            if sampling.greedy:
+            if schedule.tree:  # every node's token is verified as the target's own choice, greedy or sampled
+                tokens, parents = best_first(torch.softmax(logits[i], -1), schedule.tree)
+                draft = Draft(tokens, parents=parents)
+            elif sampling.greedy:
                 draft = Draft(logits[i].argmax(-1).tolist())
             else:
                 q = probabilities(logits[i], sampling)

@@ -50,4 +50,7 @@ def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Gene
     """(B, V) logits -> (B,) token ids."""
     if cfg.greedy:
         return logits.argmax(dim=-1)
-    return torch.multinomial(probabilities(logits, cfg), 1, generator=generator).squeeze(-1)
+    probs = probabilities(logits, cfg)
+    if generator is not None and generator.device != probs.device:  # a CPU generator drives a CUDA model
+        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -25,6 +25,7 @@ import torch
 from diffar.decoding.ar import Batch, TokenCallback, check_lengths
 from diffar.decoding.result import GenerationResult
 from diffar.decoding.sampling import SamplingConfig, probabilities, sample_next
+from diffar.decoding.tree import ancestor_mask, chain, depths, walk
 from diffar.errors import DiffarError
 from diffar.models.transformer import Transformer
 
@@ -32,14 +33,21 @@ from diffar.models.transformer import Transformer
 
 @dataclass
 class Draft:
-    """One row's proposal."""
+    """One row's proposal: a chain of tokens, or a tree of them (`parents`, as in decoding/tree.py)."""
 
     tokens: list[int]
     dists: list | None = None  # the distribution each token was drawn from; None: greedy, or a certain copy
     planned: list[bool] | None = None  # tokens kept without verification (plan-and-infill: not lossless)
+    parents: list[int] | None = None  # a tree: node i + 1 holds tokens[i] under node parents[i]; None: a chain
 
-    def __getitem__(self, cut: slice) -> Draft:
-        return Draft(self.tokens[cut], self.dists and self.dists[cut], self.planned and self.planned[cut])
+    def within(self, n: int) -> Draft:
+        """The draft cut to its first n positions (a tree: its nodes at depth <= n)."""
+        if self.parents is None:
+            return Draft(self.tokens[:n], self.dists and self.dists[:n], self.planned and self.planned[:n])
+        depth = depths(self.parents)
+        keep = [i for i in range(1, len(depth)) if depth[i] <= n]
+        renumber = {0: 0, **{old: new for new, old in enumerate(keep, start=1)}}
+        return Draft([self.tokens[i - 1] for i in keep], parents=[renumber[self.parents[i - 1]] for i in keep])
 
 
 @dataclass
@@ -62,13 +70,16 @@ class DecodeState:
     def progress(self, row: int) -> float:
         return self.new_tokens(row) / self.max_new_tokens
 
-    def feed(self, target: Transformer, blocks: torch.Tensor) -> torch.Tensor:
+    def feed(self, target: Transformer, blocks: torch.Tensor,
+             tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Run (B, n) tokens at slots [write, write+n), each row at its own positions, attending to its valid
-        slots and causally within the block; returns the final hidden states (B, n, d)."""
+        slots and causally within the block, or, for `tree` = (which block nodes each node sees (B, n, n),
+        each node's depth (B, n)), to its ancestors at positions by depth; returns the final hidden states
+        (B, n, d)."""
         B, n = blocks.shape
-        positions = torch.tensor([len(s) - 1 for s in self.seqs]).unsqueeze(1) + torch.arange(n)
-        causal = torch.ones(n, n, dtype=torch.bool).tril().expand(B, n, n)
-        mask = torch.cat([self.valid[:, None, :self.write].expand(B, n, self.write), causal], dim=2)
+        within, offsets = tree or (torch.ones(n, n, dtype=torch.bool).tril().expand(B, n, n), torch.arange(n))
+        positions = torch.tensor([len(s) - 1 for s in self.seqs]).unsqueeze(1) + offsets
+        mask = torch.cat([self.valid[:, None, :self.write].expand(B, n, self.write), within], dim=2)
         h = target.hidden_states(blocks, positions=positions, attn_mask=mask.unsqueeze(1), cache_start=self.write)
         if self.hidden is not None:
             self.hidden[:, self.write:self.write + n] = h
@@ -82,7 +93,8 @@ class DecodeState:
         for block in target.blocks:
             block.attn.kv_cache.compact(keep)
         if self.hidden is not None:
-            self.hidden[:, :w] = self.hidden.gather(1, keep.unsqueeze(-1).expand(-1, -1, self.hidden.shape[2]))
+            index = keep.to(self.hidden.device).unsqueeze(-1).expand(-1, -1, self.hidden.shape[2])
+            self.hidden[:, :w] = self.hidden.gather(1, index)
         self.valid[:, :w] = self.valid.gather(1, keep)
         self.valid[:, w:] = False
         self.write = w
@@ -300,13 +312,15 @@ def speculative_generate(
     pins = fixed or [{} for _ in prompts]
     last_pin = [max(p, default=-1) for p in pins]
 
-    def no_early_eos(row: int, logits: torch.Tensor) -> torch.Tensor:
-        """A row's logits for its next output positions, eos ruled out before its last pin."""
+    def no_early_eos(row: int, logits: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """A row's logits for its next output positions (`offsets` ahead; default 0, 1, ...), eos ruled out
+        before its last pin."""
         before = last_pin[row] - state.new_tokens(row)
         if eos_id is None or before <= 0:
             return logits
         logits = logits.clone()
-        logits[:before, eos_id] = float("-inf")
+        offsets = torch.arange(len(logits)) if offsets is None else offsets
+        logits[offsets < before, eos_id] = float("-inf")
         return logits
 
     last = target.lm_head(h[:, -1:])
@@ -331,7 +345,7 @@ def speculative_generate(
     while not all(done):
         proposals = proposer.propose(state, block.k, sampling, generator)
         room = [max_new_tokens - state.new_tokens(r) - 1 for r in range(B)]  # the target adds a token of its own
-        proposals = [Draft([]) if done[r] else p[:room[r]] for r, p in enumerate(proposals)]
+        proposals = [Draft([]) if done[r] else p.within(room[r]) for r, p in enumerate(proposals)]
         n = 1 + max(len(p.tokens) for p in proposals)
         if state.write + n > slots:
             state.compact(target)
@@ -339,27 +353,38 @@ def speculative_generate(
         for r, p in enumerate(proposals):
             blocks[r, 0] = state.seqs[r][-1]
             blocks[r, 1:1 + len(p.tokens)] = torch.tensor(p.tokens, dtype=torch.long)
-        logits = target.lm_head(state.feed(target, blocks))
+        trees = any(p.parents is not None for p in proposals)
+        if trees:  # every row as a tree (a chain is one too); padding nodes see themselves only
+            shapes = [p.parents if p.parents is not None else chain(len(p.tokens)) for p in proposals]
+            offsets = torch.tensor([depths(s) + [0] * (n - 1 - len(s)) for s in shapes])
+            tree = (torch.stack([ancestor_mask(s, n) for s in shapes]), offsets)
+        logits = target.lm_head(state.feed(target, blocks, tree if trees else None))
         passes += 1
-        kept, accepted_now = 0, []
+        used, accepted_now = 0, []  # used: the block's slots up to the furthest one any row keeps
         for r, p in enumerate(proposals):
             if done[r]:
                 continue
             d = p.tokens
-            n_ok, token = accept(no_early_eos(r, logits[r, :len(d) + 1]), d, p.dists, sampling, generator, p.planned)
-            at = state.new_tokens(r)  # the output position of d[0]
-            pin = next((j for j in range(n_ok + 1) if at + j in pins[r]), None)
+            if p.parents is None:
+                n_ok, token = accept(no_early_eos(r, logits[r, :len(d) + 1]), d, p.dists, sampling, generator,
+                                     p.planned)
+                path = list(range(1, n_ok + 1))
+            else:
+                path, token = walk(no_early_eos(r, logits[r, :len(d) + 1], offsets[r, :len(d) + 1]), d, p.parents,
+                                   sampling, generator)
+            at = state.new_tokens(r)  # the output position of the first draft
+            pin = next((j for j in range(len(path) + 1) if at + j in pins[r]), None)
             if pin is not None:  # the pin stands in for the token at its position; what follows it is unverified
-                n_ok, token = pin, pins[r][at + pin]
-            state.valid[r, state.write:state.write + 1 + n_ok] = True
-            kept = max(kept, n_ok)
-            drafted, accepted_total = drafted + len(d), accepted_total + n_ok
+                path, token = path[:pin], pins[r][at + pin]
+            state.valid[r, state.write + torch.tensor([0] + path)] = True
+            used = max(used, 1 + max(path, default=0))
+            drafted, accepted_total = drafted + len(d), accepted_total + len(path)
             if d:
-                accepted_now.append(n_ok)
-            for t in d[:n_ok] + [token]:
+                accepted_now.append(len(path))
+            for t in [d[i - 1] for i in path] + [token]:
                 if not emit(r, t):
                     break
-        state.write += 1 + kept
+        state.write += used
         block.update(accepted_now)
     out = [seq[n:] for seq, n in zip(state.seqs, state.prompt_lengths)]
     return GenerationResult(out, time.perf_counter() - t0, {"target": passes, "draft": proposer.passes}, ended,

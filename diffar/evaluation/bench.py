@@ -10,14 +10,15 @@ from pathlib import Path
 
 import torch
 
-from diffar.checkpoint import DTYPES, ar_stream, load_ar, load_checkpoint
+from diffar.checkpoint import ar_stream, load_ar, load_checkpoint, load_for_inference, read_meta
 from diffar.data.corpora import load_corpus
 from diffar.decoding.refusion import DraftSchedule
 from diffar.decoding.result import GenerationResult
 from diffar.decoding.speculative import DraftModel, PromptLookup
 from diffar.errors import DiffarError
-from diffar.evaluation.hardware import cpu_name
+from diffar.evaluation.hardware import cpu_name, memory_bandwidth, weight_bytes_per_step
 from diffar.evaluation.metrics import conditional_perplexity, repetition, text_metrics
+from diffar.evaluation.peers import PEERS, transformers_generate, transformers_llama, transformers_version
 from diffar.generation import ARMethod, DD2Method, GenerationMethod, Options, RefusionMethod
 from diffar.models.refusion import RefusionModel
 
@@ -66,23 +67,63 @@ def _record(method: str, task: str, prompts: list[list[int]], results: list[Gene
 
 
 def bench_ar(checkpoint: str, corpus_name: str | None, batch_sizes: list[int], new_tokens: int,
-             repeats: int, dtype: str = "fp32") -> list[BenchRecord]:
+             repeats: int, dtype: str = "fp32", methods: tuple[str, ...] = ("ar", "ar-nocache"),
+             peer: str | None = None, device: str = "cpu") -> list[BenchRecord]:
     """KV-cached vs uncached greedy AR at a fixed number of new tokens (eos ignored), batch by batch, each
     after one warm-up run of the same size (a whole run: the first pass at each new length sets up its
-    kernels; in bf16 the first 256-token run took seconds); the median of `repeats` runs."""
-    model, tokenizer, meta = load_checkpoint(checkpoint, dtype=DTYPES[dtype])
+    kernels; in bf16 the first 256-token run took seconds); the median of `repeats` runs, taken in turns
+    (method after method, so that a neighbour's load on a shared machine falls on every method alike).
+
+    `peer` ("transformers") adds transformers' `generate` on the same weights, prompts and lengths, with the
+    share of its rows whose greedy text equals diffar's. Every record carries the memory-bandwidth ceiling:
+    bandwidth / bytes of weights a step reads, times the batch (one step reads the weights once for all rows).
+    Prompts: seq2seq sources, or 300-character windows of the continuation corpus's test works."""
+    if peer is not None and peer not in PEERS:
+        raise DiffarError(f"unknown peer {peer!r}; choose one of {', '.join(PEERS)}")
+    if not (corpus_name or read_meta(checkpoint)["corpus"]):
+        raise DiffarError("this checkpoint was imported, not trained on a corpus: name one with --corpus")
+    model, tokenizer, meta = load_for_inference(checkpoint, dtype=dtype, device=device)
     corpus = load_corpus(corpus_name or meta["corpus"], "test")
-    texts = [p.source for p in corpus.pairs] if corpus.task == "seq2seq" else [d[:400] for d in corpus.documents]
+    texts = [p.source for p in corpus.pairs] if corpus.task == "seq2seq" else _prompts(corpus, max(batch_sizes))[0]
+    model = ar_stream(model)
+    base = ARMethod(model, tokenizer, meta["task"])
+    runners = {name: ARMethod(model, tokenizer, meta["task"], use_cache=name == "ar") for name in methods}
+    if peer:
+        hf = transformers_llama(model, tokenizer.pad_id)
+        runners[peer] = lambda prompts: transformers_generate(hf, prompts, new_tokens, tokenizer.pad_id)
+    bandwidth = memory_bandwidth()
+    weights = weight_bytes_per_step(model)
     records = []
     for bs in batch_sizes:
-        for name, use_cache in (("ar", True), ("ar-nocache", False)):
-            method = ARMethod(ar_stream(model), tokenizer, meta["task"], use_cache=use_cache)
-            prompts = [method.prompt(t) for t in (texts * bs)[:bs]]
-            settings = method.settings(Options())
-            runs = _run(method, settings, prompts, [range(bs)] * repeats, lambda rows: new_tokens, ignore_eos=True)
-            median = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
-            records.append(_record(name, Path(corpus.name).name, prompts, [median], batch_size=bs, dtype=dtype))
+        prompts = [base.prompt(t) for t in (texts * bs)[:bs]]
+        runs = {name: [] for name in runners}
+        for i in range(repeats + 1):  # the first round warms up
+            for name, runner in runners.items():
+                result = runner(prompts) if name == peer else runner.generate(
+                    prompts, new_tokens, runner.settings(Options()), ignore_eos=True)
+                if i:
+                    runs[name].append(result)
+        ceiling = bs * bandwidth * 1e9 / weights
+        for name, results in runs.items():
+            median = sorted(results, key=lambda r: r.seconds)[len(results) // 2]
+            extra = {"bandwidth_gb_s": round(bandwidth, 1), "weight_mb_per_step": round(weights / 1e6, 1),
+                     "ceiling_tokens_per_s": round(ceiling, 1), "device_kind": device}
+            if name == peer:
+                reference = runs["ar"][0].tokens if "ar" in runs else None
+                extra["peer"] = f"transformers {transformers_version()} generate (sdpa, greedy)"
+                if reference is not None:
+                    extra["identical_rows"] = round(sum(a == b for a, b in zip(median.tokens, reference)) / bs, 3)
+                    extra["tokens_before_first_difference"] = round(sum(_agree(a, b) for a, b in zip(
+                        median.tokens, reference)) / bs, 1)
+            records.append(_record(name, Path(corpus.name).name, prompts, [median], batch_size=bs, dtype=dtype,
+                                   extra=extra))
+            records[-1].extra["share_of_ceiling"] = round(records[-1].tokens_per_s / ceiling, 3)
     return records
+
+
+def _agree(a: list[int], b: list[int]) -> int:
+    """How many tokens two outputs share before they first differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _prompts(corpus, n_prompts: int) -> tuple[list[str], list[str]]:
@@ -103,6 +144,9 @@ def _budget(prompts: list[list[int]], new_tokens: int, seq2seq: bool):
     return lambda rows: min(2 * max(len(prompts[i]) for i in rows) + 16, new_tokens)
 
 
+TREE_NODES = 24  # refusion-tree's node budget
+
+
 def lossless_methods(model, tokenizer, task: str, draft_model, k: int, plan_threshold: float,
                      plan_slot: int) -> dict:
     """The lossless bench's methods by name, all verifying with the same AR weights."""
@@ -118,6 +162,8 @@ def lossless_methods(model, tokenizer, task: str, draft_model, k: int, plan_thre
         "refusion-infill": lambda: RefusionMethod(model, tokenizer, task, k=k_refusion,
                                                   schedule=DraftSchedule(plan_threshold=plan_threshold,
                                                                          plan_slot=plan_slot)),
+        "refusion-tree": lambda: RefusionMethod(model, tokenizer, task, k=k_refusion,
+                                                schedule=DraftSchedule(tree=TREE_NODES)),
     }
 
 
@@ -201,11 +247,11 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
     canvas). Quality: BLEU-4, chrF and ROUGE-L against the references, and for continuation the AR model's
     perplexity of each method's output and its repetition (seq-rep-4). `dtype` applies to both models (the
     baseline's speed and text change with it too)."""
-    model, tokenizer, meta = load_checkpoint(checkpoint, dtype=DTYPES[dtype])
+    model, tokenizer, meta = load_for_inference(checkpoint, dtype=dtype)
     if meta["kind"] != "dd2":
         raise DiffarError(f"{checkpoint} is a {meta['kind']} checkpoint; bench dd2 needs a DD2 one")
     task = meta["task"]
-    ar = load_ar(ar_checkpoint, tokenizer, "--ar", task=task, dtype=DTYPES[dtype])
+    ar = load_ar(ar_checkpoint, tokenizer, "--ar", task=task, dtype=dtype)
     options = {name: dd2_options(name) for name in methods}
     corpus = load_corpus(corpus_name or meta["corpus"], split)
     if corpus.task != task:

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from diffar.checkpoint import ar_stream, load_checkpoint
+from diffar.checkpoint import ar_stream, load_for_inference
 from diffar.data.batching import CanvasDataset, build_dataset, canvas_examples
 from diffar.data.corpora import EMBEDDED, load_corpus
 from diffar.errors import DiffarError
@@ -77,17 +77,17 @@ def reconstruction(vqvae: TextVQVAE, tokenizer, corpus, limit: int | None, batch
 
 
 def evaluate_checkpoint(checkpoint: str, corpus_name: str | None, split: str, limit: int | None,
-                        batch_size: int, block_size: int | None = None) -> dict:
+                        batch_size: int, block_size: int | None = None, dtype: str = "fp32") -> dict:
     """`block_size`: the perplexity window of a continuation model (default: its training block, else its
-    context)."""
-    model, tokenizer, meta = load_checkpoint(checkpoint)
+    context); `dtype`: the inference precision (fp32, bf16, int8), so that its quality cost is measured."""
+    model, tokenizer, meta = load_for_inference(checkpoint, dtype=dtype)
     if not (corpus_name or meta["corpus"]):
         raise DiffarError("this checkpoint was imported, not trained on a corpus: name one with --corpus")
     corpus = load_corpus(corpus_name or meta["corpus"], split)
     if corpus.task != meta["task"]:
         raise DiffarError(f"{corpus.name} is a {corpus.task} corpus but the checkpoint was trained for {meta['task']}")
     report = {"checkpoint": str(checkpoint), "corpus": corpus.name, "split": split, "task": corpus.task,
-              "device": cpu_name(), "torch_threads": torch.get_num_threads()}
+              "device": cpu_name(), "torch_threads": torch.get_num_threads(), "dtype": dtype}
     if meta["kind"] == "vqvae":
         return {**report, **reconstruction(model, tokenizer, corpus, limit, batch_size)}
     if meta["kind"] == "dd2":

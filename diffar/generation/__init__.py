@@ -4,7 +4,7 @@ the classes in `METHODS`. Which methods a checkpoint kind serves is declared in 
 
 from __future__ import annotations
 
-from diffar.checkpoint import DTYPES, GENERATES, ar_stream, load_ar, load_checkpoint, read_meta
+from diffar.checkpoint import GENERATES, ar_stream, load_ar, load_for_inference, read_meta
 from diffar.decoding.refusion import DraftSchedule
 from diffar.decoding.speculative import DraftModel, PromptLookup
 from diffar.errors import DiffarError
@@ -32,10 +32,11 @@ def resolve_method(checkpoint: str, method: str | None = None) -> str:
 def load_method(checkpoint: str, method: str | None = None, *, dtype: str = "fp32", tokenizer: str | None = None,
                 draft: str | None = None, prompt_lookup: bool = False, k: int | None = None,
                 schedule: DraftSchedule | None = None, judge: str | None = None, hybrid: str | None = None,
-                use_cache: bool = True) -> GenerationMethod:
+                use_cache: bool = True, device: str = "cpu") -> GenerationMethod:
     """The generation method `method` (default: the checkpoint's own) over a checkpoint, with what it works
     with: an AR drafter (`draft` checkpoint or `prompt_lookup`, verifying `k` drafts a pass), ReFusion's draft
-    `schedule`, DD2's best-of `judge` or `hybrid` continuer (AR checkpoints). Every model loads in `dtype`."""
+    `schedule`, DD2's best-of `judge` or `hybrid` continuer (AR checkpoints). Every model loads in `dtype`
+    (fp32, bf16, fp16, int8) on `device` (cpu, cuda), and decodes there."""
     method = resolve_method(checkpoint, method)
     given = {"draft": draft, "prompt_lookup": prompt_lookup, "schedule": schedule, "judge": judge, "hybrid": hybrid,
              "no_cache": not use_cache}
@@ -44,15 +45,16 @@ def load_method(checkpoint: str, method: str | None = None, *, dtype: str = "fp3
         if value and name not in takes[method]:
             owner = next(m for m, names in takes.items() if name in names)
             raise OptionError(name, f"{name} applies to method {owner} only, not to {method}")
-    model, tok, meta = load_checkpoint(checkpoint, tokenizer, dtype=DTYPES[dtype])
+    model, tok, meta = load_for_inference(checkpoint, tokenizer, dtype=dtype, device=device)
+    alike = dict(dtype=dtype, device=device)  # every model it works with
     task = meta["task"]
     if method == "dd2":
-        return DD2Method(model, tok, task, judge=judge and load_ar(judge, tok, "judge", task, DTYPES[dtype]),
-                         hybrid=hybrid and load_ar(hybrid, tok, "hybrid", task, DTYPES[dtype]))
+        return DD2Method(model, tok, task, judge=judge and load_ar(judge, tok, "judge", task, **alike),
+                         hybrid=hybrid and load_ar(hybrid, tok, "hybrid", task, **alike))
     if method == "refusion":
         return RefusionMethod(model, tok, task, schedule=schedule or DraftSchedule(), k=k)
     if draft and prompt_lookup:
         raise OptionError("draft", "choose one drafter: a draft model or prompt lookup")
-    proposer = PromptLookup() if prompt_lookup else DraftModel(load_ar(draft, tok, "draft", dtype=DTYPES[dtype])) \
+    proposer = PromptLookup() if prompt_lookup else DraftModel(load_ar(draft, tok, "draft", **alike)) \
         if draft else None
     return ARMethod(ar_stream(model), tok, task, proposer=proposer, k=k or 8, use_cache=use_cache)

@@ -72,7 +72,8 @@ class RefusionMethod(ARMethod):
         super().__init__(model.ar, tokenizer, task)
         self.refusion, self.schedule, self.k, self.drafter = model, schedule, k, "diffusion"
         self.label = "refusion" + ("-dynamic" if schedule.dynamic else "") + ("-infill" if schedule.plan_threshold
-                                                                               else "")
+                                                                               else "") + ("-tree" if schedule.tree
+                                                                                           else "")
 
     def generate(self, prompts: list[list[int]], budgets: int | list[int], settings: SamplingConfig, *,
                  on_token=None, on_step=None, generator=None, fixed=None, ignore_eos: bool = False) -> GenerationResult:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffar.checkpoint import DTYPES, write_checkpoint
+from diffar.checkpoint import write_checkpoint
 from diffar.errors import DiffarError
 from diffar.importing.gguf_file import MAGIC, read_gguf
 from diffar.importing.hf_folder import read_hf_folder
 from diffar.importing.llama import build_transformer
+from diffar.models.precision import DTYPES
 
 
 def import_model(source: str | Path, out: str | Path, dtype: str = "bf16") -> Path:

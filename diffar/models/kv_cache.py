@@ -35,6 +35,6 @@ class KVCache(nn.Module):
     def compact(self, keep: torch.Tensor) -> None:
         """Gather slots keep (B, w), row by row and in the given order, into slots [0, w): how a
         draft-and-verify decoder drops its rejected slots without re-running the kept tokens."""
-        index = keep[:, None, :, None].expand(-1, self.k.shape[1], -1, self.k.shape[3])
+        index = keep.to(self.k.device)[:, None, :, None].expand(-1, self.k.shape[1], -1, self.k.shape[3])
         w = keep.shape[1]
         self.k[:, :, :w], self.v[:, :, :w] = self.k.gather(2, index), self.v.gather(2, index)

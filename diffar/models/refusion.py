@@ -33,7 +33,7 @@ from diffar.diffusion.schedules import KINDS, NoiseSchedule
 from diffar.errors import DiffarError
 from diffar.models.fusion import CrossAttentionFusion
 from diffar.models.time_embedding import timestep_embedding
-from diffar.models.transformer import Block, RMSNorm, Transformer, TransformerConfig, rope_tables
+from diffar.models.transformer import Block, RMSNorm, Transformer, TransformerConfig, rope_angles, rope_tables
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(ar_preset="tiny", n_layer=1, n_head=4, d_model=64, block=4, fusion_heads=4),
@@ -163,7 +163,7 @@ class TextDiffuser(nn.Module):
             latest = (context_mask * torch.arange(context_mask.shape[1], device=z.device)).argmax(1)
             x = x + self.warm(context[torch.arange(N, device=z.device), latest]).unsqueeze(1)
             kv = kv or self.context_kv(context, context_tokens)
-        cos, sin = self.rope_cos[:L].expand(N, L, -1), self.rope_sin[:L].expand(N, L, -1)
+        cos, sin = rope_angles(self.rope_cos, self.rope_sin, torch.arange(L, device=x.device), x.dtype)
         everything = torch.ones(1, 1, L, L, dtype=torch.bool, device=z.device)  # bidirectional
         mask = None if context is None else context_mask.view(N, 1, 1, -1)
         for i, block in enumerate(self.blocks):

@@ -85,9 +85,16 @@ def rope_tables(head_dim: int, max_len: int, base: float) -> tuple[torch.Tensor,
     return angles.cos(), angles.sin()
 
 
+def rope_angles(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables' rows at `positions` ((B, T) or (T,)), shaped (B or 1, T, 1, D/2) to broadcast over heads and
+    cast to the activations' dtype: once per forward, not once per layer."""
+    shape = (-1 if positions.dim() == 2 else 1, positions.shape[-1], 1, cos.shape[-1])
+    return cos[positions].to(dtype).view(shape), sin[positions].to(dtype).view(shape)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, T, D) by per-row angles (B, T, D/2) (RoFormer, arXiv 2104.09864; half-split layout)."""
-    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    """Rotate (B, T, H, D) by angles from `rope_angles` (RoFormer, arXiv 2104.09864; half-split layout)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
@@ -103,8 +110,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, attn_mask, cache_start):
         B, T, _ = x.shape
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in self.qkv(x).split(self.widths, dim=-1))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv(x).view(B, T, -1, self.head_dim)
+        rotated = self.n_head + self.n_kv_head  # queries and keys, rotated in one go
+        q, k = apply_rope(qkv[:, :, :rotated], cos, sin).transpose(1, 2).split([self.n_head, self.n_kv_head], 1)
+        v = qkv[:, :, rotated:].transpose(1, 2)
         if cache_start is not None:
             k, v = self.kv_cache.update(cache_start, k, v)
         if attn_mask is None and 1 < T != k.shape[2]:
@@ -159,7 +168,7 @@ class BidirectionalStack(nn.Module):
         positions = torch.arange(T, device=x.device) if positions is None else positions
         if int(positions.max()) >= self.max_len:
             raise DiffarError(f"sequence of {int(positions.max()) + 1} positions exceeds the model's {self.max_len}")
-        cos, sin = self.rope_cos[positions].expand(B, T, -1), self.rope_sin[positions].expand(B, T, -1)
+        cos, sin = rope_angles(self.rope_cos, self.rope_sin, positions, x.dtype)
         mask = torch.ones(1, 1, T, T, dtype=torch.bool, device=x.device) if key_mask is None \
             else key_mask.view(B, 1, 1, T)
         for block in self.blocks:
@@ -223,6 +232,8 @@ class Transformer(nn.Module):
         """
         if (tokens is None) == (embeddings is None):
             raise ValueError("pass exactly one of tokens and embeddings")
+        device = self.tok_emb.weight.device  # a decoder's bookkeeping may live elsewhere: the model reads here
+        tokens, positions, attn_mask = (t if t is None else t.to(device) for t in (tokens, positions, attn_mask))
         x = self.tok_emb(tokens) if embeddings is None else embeddings
         B, T = x.shape[:2]
         if positions is None:
@@ -230,7 +241,7 @@ class Transformer(nn.Module):
             positions = torch.arange(start, start + T, device=x.device).expand(B, T)
         if int(positions.max()) >= self.config.max_seq_len:
             raise DiffarError(f"sequence longer than the model's context ({self.config.max_seq_len} tokens)")
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = rope_angles(self.rope_cos, self.rope_sin, positions, x.dtype)
         for i, block in enumerate(self.blocks):
             if self.gradient_checkpointing and torch.is_grad_enabled() and cache_start is None:
                 x = checkpoint(block, x, cos, sin, attn_mask, None, use_reentrant=False)

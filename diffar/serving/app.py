@@ -23,7 +23,7 @@ from diffar.generation import GenerationMethod
 from diffar.serving.engine import Engine, EngineDown, Event, QueueFull, Request
 from diffar.serving.metrics import Metrics
 from diffar.serving.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from diffar.serving.requests import APIError, build_request, choice, summary
+from diffar.serving.requests import APIError, build_request, choice, is_chat_model, summary
 
 STATIC = Path(__file__).resolve().parent / "static"
 DISCONNECT_POLL_S = 5.0  # how often a waiting non-streaming request checks that its client is still there
@@ -122,8 +122,8 @@ def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int =
                            code="engine_down") from None
         metrics.queued.set(engine.queued())
 
-    async def respond(body, text: str, chat: bool, http: HTTPRequest):
-        req = build_request(body, text, method, model_id)
+    async def respond(body, chat: bool, http: HTTPRequest):
+        req = build_request(body, method, model_id)
         submit(req)
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -161,16 +161,17 @@ def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int =
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
-        return await respond(body, body.prompt, chat=False, http=http)
+        return await respond(body, chat=False, http=http)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
-        return await respond(body, body.prompt_text(method.task), chat=True, http=http)
+        return await respond(body, chat=True, http=http)
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "diffar",
-                                            "task": method.task, "methods": [method.name]}]}
+                                            "task": method.task, "methods": [method.name],
+                                            "chat": is_chat_model(method)}]}
 
     @app.get("/health")
     async def health():

@@ -94,8 +94,9 @@ class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
 
     def prompt_text(self, task: str) -> str:
-        """diffar's models are not chat-tuned: a seq2seq model translates the last user message, a
-        continuation model continues the conversation's text."""
+        """The text a model without a chat template reads (diffar's own are not chat-tuned): a seq2seq model
+        translates the last user message, a continuation model continues the conversation's text. A chat
+        model renders the messages through its template instead (serving/requests.py)."""
         if task == "seq2seq":
             users = [m.text for m in self.messages if m.role == "user"]
             return users[-1] if users else ""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from diffar.errors import DiffarError
 from diffar.generation import GenerationMethod, OptionError, Options
 from diffar.serving.engine import Request
-from diffar.serving.protocol import METHODS, CompletionRequest, GenerationFields, error_body
+from diffar.serving.protocol import METHODS, ChatCompletionRequest, CompletionRequest, GenerationFields, error_body
 from diffar.tokenizer import Tokenizer
 
 
@@ -23,8 +23,40 @@ def options(body: GenerationFields) -> Options:
                    best_of=body.best_of)
 
 
-def build_request(body: GenerationFields, text: str, method: GenerationMethod, model_id: str) -> Request:
-    """The engine request for a body whose prompt is `text`, or an APIError (4xx) saying what is wrong."""
+def is_chat_model(method: GenerationMethod) -> bool:
+    """Whether the model answers chat requests through its own chat template (an imported chat model)."""
+    return method.tokenizer.chat_template is not None and method.task == "continuation"
+
+
+def prompt_ids(body: GenerationFields, method: GenerationMethod) -> list[int]:
+    """The ids a body's model reads: a completion's prompt as text; a chat's messages rendered by the model's
+    chat template, or, for a model without one, the text `ChatCompletionRequest.prompt_text` makes of them."""
+    if isinstance(body, CompletionRequest):
+        text, field = body.prompt, "prompt"
+    elif not is_chat_model(method):
+        text, field = body.prompt_text(method.task), "messages"
+    else:
+        return chat_ids(body, method)
+    if not text.strip():
+        raise APIError(400, "empty prompt", param=field)
+    return method.prompt(text)
+
+
+def chat_ids(body: ChatCompletionRequest, method: GenerationMethod) -> list[int]:
+    """A chat's messages through the model's chat template, up to where the assistant's answer begins."""
+    if not any(m.text.strip() for m in body.messages):
+        raise APIError(400, "empty prompt", param="messages")
+    if any(m.role == "tool" for m in body.messages):
+        raise APIError(400, "role 'tool' is not supported: this server runs no tools", param="messages")
+    try:  # OpenAI's "developer" role is its newer name for the system role
+        return method.tokenizer.encode_chat([{"role": "system" if m.role == "developer" else m.role,
+                                              "content": m.text} for m in body.messages])
+    except DiffarError as e:  # the template refuses the conversation (roles must alternate, ...)
+        raise APIError(400, str(e), param="messages") from None
+
+
+def build_request(body: GenerationFields, method: GenerationMethod, model_id: str) -> Request:
+    """The engine request for a body, or an APIError (4xx) saying what is wrong."""
     if body.model not in (None, model_id):
         raise APIError(404, f"model {body.model!r} does not exist; this server has {model_id!r}",
                        code="model_not_found", param="model")
@@ -33,8 +65,6 @@ def build_request(body: GenerationFields, text: str, method: GenerationMethod, m
     if body.method not in (None, method.name):
         raise APIError(400, f"method {body.method!r} is not served here (serving: {method.name})", param="method")
     prompt_field = "prompt" if isinstance(body, CompletionRequest) else "messages"
-    if not text.strip():
-        raise APIError(400, "empty prompt", param=prompt_field)
     if body.best_of > 1 and "best_of" not in method.options:
         raise APIError(400, f"best_of > 1 applies to method dd2; this server decodes with {method.name}",
                        param="best_of")
@@ -47,7 +77,7 @@ def build_request(body: GenerationFields, text: str, method: GenerationMethod, m
         raise APIError(400, str(e), param=e.option) from None
     except DiffarError as e:
         raise APIError(400, str(e)) from None
-    ids = method.prompt(text)
+    ids = prompt_ids(body, method)
     room = method.room(ids, sampling)
     if room <= 0:
         raise APIError(400, f"the prompt ({len(ids)} tokens) is too long for this model",
