@@ -172,7 +172,12 @@ def test_acceptance_rule_preserves_the_target_distribution(one_hot):
 
 
 def test_sampled_generation_matches_ar_distribution():
-    """End to end on a 6-token vocabulary: the first two sampled tokens follow the AR model's joint law."""
+    assert_follows_the_ar_law(DraftModel)
+
+
+def assert_follows_the_ar_law(proposer):
+    """End to end on a 6-token vocabulary: the first two tokens sampled with `proposer(a 1-layer drafter)` follow
+    the AR model's joint law."""
     target, drafter = random_model(0, vocab=6), random_model(2, vocab=6, n_layer=1)
     prompt, cfg = [1, 2, 3], SamplingConfig(temperature=1.0)
     with torch.inference_mode():
@@ -183,7 +188,7 @@ def test_sampled_generation_matches_ar_distribution():
     counts = torch.zeros(6, 6)
     n = 3000
     for _ in range(n):
-        a, b = speculative_generate(target, DraftModel(drafter), [prompt], 2, k=2, eos_id=None, sampling=cfg,
+        a, b = speculative_generate(target, proposer(drafter), [prompt], 2, k=2, eos_id=None, sampling=cfg,
                                     generator=g).tokens[0]
         counts[a, b] += 1
     assert (counts / n - joint).abs().sum() / 2 < 0.06  # 36 cells, 3000 draws: TV noise ~0.03

@@ -14,6 +14,7 @@ from diffar.decoding.sampling import SamplingConfig
 from diffar.decoding.speculative import Draft, speculative_generate
 from diffar.decoding.tree import ancestor_mask, best_first, depths, walk
 from tests.conftest import random_model
+from tests.test_speculative import assert_follows_the_ar_law
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [40, 41, 40, 41, 40]]
 
@@ -91,18 +92,4 @@ def test_greedy_trees_equal_ar(budget):
 
 
 def test_sampled_trees_follow_the_ar_law():
-    """On a 6-token vocabulary: the first two sampled tokens follow the AR model's joint law."""
-    target, drafter = random_model(0, vocab=6), random_model(2, vocab=6, n_layer=1)
-    prompt, cfg = [1, 2, 3], SamplingConfig(temperature=1.0)
-    with torch.inference_mode():
-        p1 = torch.softmax(target(torch.tensor([prompt]))[0][0, -1], -1)
-        joint = torch.stack([p1[a] * torch.softmax(target(torch.tensor([prompt + [a]]))[0][0, -1], -1)
-                             for a in range(6)])
-    g = torch.Generator().manual_seed(1)
-    counts = torch.zeros(6, 6)
-    n = 3000
-    for _ in range(n):
-        a, b = speculative_generate(target, TreeDrafter(drafter, 6), [prompt], 2, k=2, eos_id=None, sampling=cfg,
-                                    generator=g).tokens[0]
-        counts[a, b] += 1
-    assert (counts / n - joint).abs().sum() / 2 < 0.06  # 36 cells, 3000 draws: TV noise ~0.03
+    assert_follows_the_ar_law(lambda drafter: TreeDrafter(drafter, 6))
