@@ -14,7 +14,7 @@ from diffar.errors import DiffarError
 
 def register(subparsers) -> None:
     c = subparsers.add_parser("chat", help="chat with a chat model: user turns from stdin, answers streamed",
-                              parents=[flags.seed(), flags.dtype(), sampling_flags()])
+                              parents=[flags.seed(), flags.dtype(), flags.device(), sampling_flags()])
     c.add_argument("--checkpoint", required=True)
     c.add_argument("--system", help="a system message that opens the conversation")
     c.set_defaults(func=run)
@@ -43,7 +43,7 @@ def run(args) -> None:
 
     if args.max_new_tokens <= 0:
         raise DiffarError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
-    method = load_method(args.checkpoint, dtype=args.dtype)
+    method = load_method(args.checkpoint, dtype=args.dtype, device=args.device)
     settings = method.settings(sampling_options(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []
     chat_ids(method, messages + [{"role": "user", "content": "Hello"}], args.checkpoint)  # fail before any turn
