@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -144,8 +146,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(checkpoint, *flags) -> tuple[subprocess.Popen, str]:
-    """`diffar serve` on a free loopback port; returns (process, base URL) once /health answers."""
+@contextlib.contextmanager
+def serving(checkpoint, *flags) -> Iterator[str]:
+    """`diffar serve` on a free loopback port: yields its base URL once /health answers, stops it after."""
     port = free_port()
     log = tempfile.TemporaryFile(mode="w+")  # not a pipe: nobody reads it while the tests run
     proc = subprocess.Popen([sys.executable, "-m", "diffar.cli", "serve", "--checkpoint", str(checkpoint),
@@ -157,9 +160,15 @@ def start_server(checkpoint, *flags) -> tuple[subprocess.Popen, str]:
     while time.time() < deadline and proc.poll() is None:
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+                break
         except httpx.TransportError:
             time.sleep(0.1)
-    proc.kill()
-    log.seek(0)
-    raise RuntimeError(f"server did not start: {log.read()}")
+    else:
+        proc.kill()
+        log.seek(0)
+        raise RuntimeError(f"server did not start: {log.read()}")
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

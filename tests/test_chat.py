@@ -18,7 +18,7 @@ from diffar.chat_template import ChatTemplate
 from diffar.errors import DiffarError
 from diffar.importing.embedded import smollm2_gguf
 from diffar.tokenizer import Tokenizer
-from tests.conftest import ROOT, assert_clean_error, run_cli, start_server
+from tests.conftest import ROOT, assert_clean_error, run_cli, serving
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}],
@@ -135,10 +135,8 @@ def test_a_model_without_a_template_cannot_chat(command):
 
 @pytest.fixture(scope="module")
 def server(smollm2_checkpoint):
-    proc, url = start_server(smollm2_checkpoint)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    with serving(smollm2_checkpoint) as url:
+        yield url
 
 
 def test_openai_client_chats(server):

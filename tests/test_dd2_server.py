@@ -7,7 +7,7 @@ import json
 import httpx
 import torch
 
-from conftest import assert_clean_error, run_cli, start_server
+from conftest import assert_clean_error, run_cli, serving
 from diffar.checkpoint import load_checkpoint
 from diffar.decoding.dd2 import DD2Sampling, best_of_generate, dd2_generate
 
@@ -17,8 +17,7 @@ def test_serve_dd2(tiny_dd2, tiny_vqvae, tiny_run):
     that seed, a stream carries the same text, and what DD2 cannot do is a 400."""
     model, tokenizer, _ = load_checkpoint(tiny_dd2 / "x0")
     prompt = "In the beginning God created the heaven and the earth."
-    proc, url = start_server(tiny_dd2 / "x0")
-    try:
+    with serving(tiny_dd2 / "x0") as url:
         assert httpx.get(url + "/v1/models").json()["data"][0]["methods"] == ["dd2"]
         body = {"prompt": prompt, "max_tokens": 12, "seed": 5}
         out = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
@@ -60,9 +59,6 @@ def test_serve_dd2(tiny_dd2, tiny_vqvae, tiny_run):
                            ({"tau": 0.5}, "tau")]:
             r = httpx.post(url + "/v1/completions", json={**body, **bad}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
     assert_clean_error(run_cli("serve", "--checkpoint", tiny_vqvae), "does not generate text")
     assert_clean_error(run_cli("serve", "--checkpoint", tiny_run, "--method", "dd2"),
                        "cannot decode")
@@ -74,8 +70,7 @@ def test_serve_dd2_best_of(tiny_dd2, tiny_run):
     model, tokenizer, _ = load_checkpoint(tiny_dd2 / "x0")
     judge, _, _ = load_checkpoint(tiny_run)
     prompt = "In the beginning God created the heaven and the earth."
-    proc, url = start_server(tiny_dd2 / "x0", "--judge", tiny_run)
-    try:
+    with serving(tiny_dd2 / "x0", "--judge", tiny_run) as url:
         body = {"prompt": prompt, "max_tokens": 12, "seed": 5, "best_of": 3}
         out = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
         source = tokenizer.encode(prompt)
@@ -86,7 +81,4 @@ def test_serve_dd2_best_of(tiny_dd2, tiny_run):
         assert out["diffar"]["passes"] == {"steps": 1, "denoiser": 1, "decoder": 1, "judge": 1, "batch_size": 1}
         r = httpx.post(url + "/v1/completions", json={**body, "stream": True}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
     assert_clean_error(run_cli("serve", "--checkpoint", tiny_run, "--judge", tiny_run), "judge applies to method dd2 only, not to ar")

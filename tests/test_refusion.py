@@ -14,7 +14,7 @@ from diffar.decoding.sampling import SamplingConfig
 from diffar.decoding.speculative import DecodeState, speculative_generate
 from diffar.errors import DiffarError
 from diffar.models.refusion import RefusionConfig, RefusionModel
-from tests.conftest import TINY_TRAIN, assert_clean_error, run_cli, start_server
+from tests.conftest import TINY_TRAIN, assert_clean_error, run_cli, serving
 
 VOCAB = 16  # random drafts are then right now and then, wrong mostly: both paths of verification run
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11], [12, 13, 14, 15, 1, 2, 3, 4, 5], [4, 14, 4, 14, 4], [7] * 15,
@@ -310,8 +310,7 @@ def test_serve_refusion(tiny_refusion, tiny_run):
     model, tokenizer, meta = load_checkpoint(tiny_refusion)
     prompt = "And God said, Let there be light: and there was light."
     ids = prompt_ids(tokenizer, meta["task"], prompt)
-    proc, url = start_server(tiny_refusion)
-    try:
+    with serving(tiny_refusion) as url:
         assert httpx.get(url + "/v1/models").json()["data"][0]["methods"] == ["refusion"]
         body = {"prompt": prompt, "max_tokens": 16, "temperature": 0}
         out = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
@@ -334,9 +333,6 @@ def test_serve_refusion(tiny_refusion, tiny_run):
         assert "".join(c["choices"][0]["text"] for c in chunks) == out["choices"][0]["text"]
         r = httpx.post(url + "/v1/completions", json={**body, "method": "dd2"}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "method"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
     assert_clean_error(run_cli("serve", "--checkpoint", tiny_refusion, "--method", "dd2"),
                        "a refusion checkpoint")
     assert_clean_error(run_cli("serve", "--checkpoint", tiny_run, "--method", "refusion"),

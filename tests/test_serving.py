@@ -8,15 +8,13 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import start_server
+from tests.conftest import serving
 
 
 @pytest.fixture(scope="module")
 def server(tiny_run):
-    proc, url = start_server(tiny_run, "--max-batch-size", "8", "--batch-window-ms", "100")
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    with serving(tiny_run, "--max-batch-size", "8", "--batch-window-ms", "100") as url:
+        yield url
 
 
 @pytest.fixture
@@ -163,8 +161,7 @@ def test_lone_surrogates_are_a_400(server):
 
 
 def test_full_queue_answers_429_and_loses_nothing(tiny_run):
-    proc, url = start_server(tiny_run, "--max-batch-size", "1", "--max-queue", "2")
-    try:
+    with serving(tiny_run, "--max-batch-size", "1", "--max-queue", "2") as url:
         async def burst():
             async with httpx.AsyncClient(timeout=120) as c:
                 return await asyncio.gather(*(c.post(url + "/v1/completions",
@@ -173,9 +170,6 @@ def test_full_queue_answers_429_and_loses_nothing(tiny_run):
         codes = [r.status_code for r in asyncio.run(burst())]
         assert set(codes) <= {200, 429} and codes.count(429) > 0 and codes.count(200) >= 2
         assert metric(url, 'diffar_requests_total{path="/v1/completions",status="200"}') == codes.count(200)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def test_metrics_in_prometheus_format(server):

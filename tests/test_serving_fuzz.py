@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import start_server
+from tests.conftest import serving
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False, allow_infinity=False)
@@ -20,10 +20,8 @@ JSON_VALUES = st.recursive(
 
 @pytest.fixture(scope="module")
 def server(tiny_run):
-    proc, url = start_server(tiny_run, "--max-batch-size", "4")
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    with serving(tiny_run, "--max-batch-size", "4") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

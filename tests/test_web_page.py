@@ -8,7 +8,7 @@ from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from tests.conftest import start_server
+from tests.conftest import serving
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +25,8 @@ def browser():
 
 @pytest.fixture(scope="module")
 def page(tiny_run):
-    proc, url = start_server(tiny_run)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    with serving(tiny_run) as url:
+        yield url
 
 
 def tokens(driver):
@@ -75,10 +73,8 @@ def test_generate_pin_edit_regenerate(browser, page):
 
 @pytest.fixture(scope="module")
 def chat_page(smollm2_checkpoint):
-    proc, url = start_server(smollm2_checkpoint)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    with serving(smollm2_checkpoint) as url:
+        yield url
 
 
 def test_a_chat_model_answers_on_the_page(browser, chat_page):
