@@ -118,9 +118,10 @@ def read_meta(path: str | Path) -> dict:
     return meta
 
 
-def load_checkpoint(path: str | Path, tokenizer_path: str | Path | None = None,
-                    dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Tokenizer, dict]:
-    """Rebuild (model in eval mode, tokenizer, meta) from a checkpoint or run folder."""
+def load_checkpoint(path: str | Path, tokenizer_path: str | Path | None = None
+                    ) -> tuple[torch.nn.Module, Tokenizer, dict]:
+    """Rebuild (model in eval mode, in fp32 on the CPU, tokenizer, meta) from a checkpoint or run folder;
+    `load_for_inference` places it at another precision or on another device."""
     path = resolve(path)
     meta = read_meta(path)
     config_cls, model_cls = MODEL_KINDS[meta["kind"]]
@@ -142,7 +143,7 @@ def load_checkpoint(path: str | Path, tokenizer_path: str | Path | None = None,
     tokenizer = Tokenizer.load(tokenizer_path)
     if tokenizer.sha256 != meta.get("tokenizer_sha256"):
         raise DiffarError(f"tokenizer {tokenizer_path} does not match the checkpoint {path} (trained with another)")
-    return model.to(dtype).eval(), tokenizer, meta
+    return model.eval(), tokenizer, meta
 
 
 def load_for_inference(path: str | Path, tokenizer_path: str | Path | None = None, *, dtype: str = "fp32",
