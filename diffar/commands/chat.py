@@ -8,13 +8,13 @@ from __future__ import annotations
 import sys
 
 from diffar.commands import flags
-from diffar.commands.generate import chat_ids, sampling_flags, sampling_options, speed_line, stream_answer
+from diffar.commands.generate import chat_ids, sampling_options, speed_line, stream_answer
 from diffar.errors import DiffarError
 
 
 def register(subparsers) -> None:
     c = subparsers.add_parser("chat", help="chat with a chat model: user turns from stdin, answers streamed",
-                              parents=[flags.seed(), flags.dtype(), flags.device(), sampling_flags()])
+                              parents=[flags.seed(), flags.dtype(), flags.device(), flags.sampling()])
     c.add_argument("--checkpoint", required=True)
     c.add_argument("--system", help="a system message that opens the conversation")
     c.set_defaults(func=run)

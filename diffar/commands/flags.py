@@ -53,6 +53,16 @@ def device() -> argparse.ArgumentParser:
     return p
 
 
+def sampling() -> argparse.ArgumentParser:
+    """The budget and sampling flags of the commands that write an AR model's text (generate, chat)."""
+    p = _parent()
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    return p
+
+
 def seed() -> argparse.ArgumentParser:
     """The seed of a sampling command (training's --seed is a TrainConfig field)."""
     p = _parent()

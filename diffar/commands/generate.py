@@ -4,7 +4,6 @@ message. `stream_answer` and `speed_line` are shared with `diffar chat`."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import replace
 
@@ -15,7 +14,7 @@ from diffar.errors import DiffarError
 def register(subparsers) -> None:
     g = subparsers.add_parser("generate", help="generate text from a prompt (argument or stdin), streaming",
                               parents=[flags.seed(), flags.dtype(flags.DTYPE_HELP + ", every model loaded"),
-                                       flags.device(), sampling_flags()])
+                                       flags.device(), flags.sampling()])
     g.add_argument("--checkpoint", required=True)
     g.add_argument("--tokenizer", help="override the checkpoint's own tokenizer (must be the same one)")
     g.add_argument("--prompt", help="prompt text (default: read stdin)")
@@ -51,18 +50,8 @@ def register(subparsers) -> None:
     g.set_defaults(func=run)
 
 
-def sampling_flags() -> argparse.ArgumentParser:
-    """The budget and sampling flags of the commands that write an AR model's text (generate, chat)."""
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    return p
-
-
 def sampling_options(args):
-    """The `Options` that `sampling_flags` give (0 and 1.0 leave them to the method)."""
+    """The `Options` that `flags.sampling` gives (0 and 1.0 leave them to the method)."""
     from diffar.generation import Options
 
     return Options(temperature=args.temperature or None, top_k=args.top_k or None,
