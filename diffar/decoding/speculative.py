@@ -353,12 +353,12 @@ def speculative_generate(
         for r, p in enumerate(proposals):
             blocks[r, 0] = state.seqs[r][-1]
             blocks[r, 1:1 + len(p.tokens)] = torch.tensor(p.tokens, dtype=torch.long)
-        trees = any(p.parents is not None for p in proposals)
-        if trees:  # every row as a tree (a chain is one too); padding nodes see themselves only
+        tree = None
+        if any(p.parents is not None for p in proposals):  # every row as a tree (a chain is one too)
             shapes = [p.parents if p.parents is not None else chain(len(p.tokens)) for p in proposals]
-            offsets = torch.tensor([depths(s) + [0] * (n - 1 - len(s)) for s in shapes])
+            offsets = torch.tensor([depths(s) + [0] * (n - 1 - len(s)) for s in shapes])  # padding nodes: 0
             tree = (torch.stack([ancestor_mask(s, n) for s in shapes]), offsets)
-        logits = target.lm_head(state.feed(target, blocks, tree if trees else None))
+        logits = target.lm_head(state.feed(target, blocks, tree))
         passes += 1
         used, accepted_now = 0, []  # used: the block's slots up to the furthest one any row keeps
         for r, p in enumerate(proposals):
