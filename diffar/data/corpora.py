@@ -122,3 +122,10 @@ def load_corpus(name_or_path: str, split: str = "train", *, whole: bool = False)
             raise DiffarError(f"{path} is empty")
         corpus = Corpus(str(path), "continuation", documents=[text])
     return corpus if whole else _user_split(corpus, split)
+
+
+def checkpoint_corpus(meta: dict, name: str | None, split: str) -> Corpus:
+    """A split of corpus `name`, or else of the one the checkpoint (its `meta`) was trained on."""
+    if not (name or meta["corpus"]):
+        raise DiffarError("this checkpoint was imported, not trained on a corpus: name one with --corpus")
+    return load_corpus(name or meta["corpus"], split)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from diffar.checkpoint import ar_stream, load_ar, load_checkpoint, load_for_inference, read_meta
-from diffar.data.corpora import load_corpus
+from diffar.checkpoint import ar_stream, load_ar, load_checkpoint, load_for_inference
+from diffar.data.corpora import checkpoint_corpus
 from diffar.decoding.refusion import DraftSchedule
 from diffar.decoding.result import GenerationResult
 from diffar.decoding.speculative import DraftModel, PromptLookup
@@ -80,10 +80,8 @@ def bench_ar(checkpoint: str, corpus_name: str | None, batch_sizes: list[int], n
     Prompts: seq2seq sources, or 300-character windows of the continuation corpus's test works."""
     if peer is not None and peer not in PEERS:
         raise DiffarError(f"unknown peer {peer!r}; choose one of {', '.join(PEERS)}")
-    if not (corpus_name or read_meta(checkpoint)["corpus"]):
-        raise DiffarError("this checkpoint was imported, not trained on a corpus: name one with --corpus")
     model, tokenizer, meta = load_for_inference(checkpoint, dtype=dtype, device=device)
-    corpus = load_corpus(corpus_name or meta["corpus"], "test")
+    corpus = checkpoint_corpus(meta, corpus_name, "test")
     texts = [p.source for p in corpus.pairs] if corpus.task == "seq2seq" else _prompts(corpus, max(batch_sizes))[0]
     model = ar_stream(model)
     base = ARMethod(model, tokenizer, meta["task"])
@@ -187,7 +185,7 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
     unknown = set(methods) - set(builders)
     if unknown:
         raise DiffarError(f"unknown method(s) {', '.join(sorted(unknown))}; choose from {', '.join(builders)}")
-    corpus = load_corpus(corpus_name or meta["corpus"], split)
+    corpus = checkpoint_corpus(meta, corpus_name, split)
     texts, references = _prompts(corpus, n_prompts)
     if not texts:
         raise DiffarError(f"{corpus.name} gives no {split} prompts")
@@ -253,7 +251,7 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
     task = meta["task"]
     ar = load_ar(ar_checkpoint, tokenizer, "--ar", task=task, dtype=dtype)
     options = {name: dd2_options(name) for name in methods}
-    corpus = load_corpus(corpus_name or meta["corpus"], split)
+    corpus = checkpoint_corpus(meta, corpus_name, split)
     if corpus.task != task:
         raise DiffarError(f"{corpus.name} is a {corpus.task} corpus but the checkpoint was trained for {task}")
     texts, references = _prompts(corpus, n_prompts)

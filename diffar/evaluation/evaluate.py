@@ -16,7 +16,7 @@ import torch
 
 from diffar.checkpoint import ar_stream, load_for_inference
 from diffar.data.batching import CanvasDataset, build_dataset, canvas_examples
-from diffar.data.corpora import EMBEDDED, load_corpus
+from diffar.data.corpora import EMBEDDED, checkpoint_corpus
 from diffar.errors import DiffarError
 from diffar.evaluation.hardware import cpu_name
 from diffar.evaluation.metrics import mean_nll, perplexity, text_metrics
@@ -81,9 +81,7 @@ def evaluate_checkpoint(checkpoint: str, corpus_name: str | None, split: str, li
     """`block_size`: the perplexity window of a continuation model (default: its training block, else its
     context); `dtype`: the inference precision (fp32, bf16, int8), so that its quality cost is measured."""
     model, tokenizer, meta = load_for_inference(checkpoint, dtype=dtype)
-    if not (corpus_name or meta["corpus"]):
-        raise DiffarError("this checkpoint was imported, not trained on a corpus: name one with --corpus")
-    corpus = load_corpus(corpus_name or meta["corpus"], split)
+    corpus = checkpoint_corpus(meta, corpus_name, split)
     if corpus.task != meta["task"]:
         raise DiffarError(f"{corpus.name} is a {corpus.task} corpus but the checkpoint was trained for {meta['task']}")
     report = {"checkpoint": str(checkpoint), "corpus": corpus.name, "split": split, "task": corpus.task,
