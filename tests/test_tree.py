@@ -23,7 +23,7 @@ class TreeDrafter:
     """A proposer drafting trees: a noisy model's distributions along its own greedy chain, taken as the
     per-position marginals of `best_first` (as a one-pass drafter's would be)."""
 
-    name, needs_hidden = "tree", False
+    name, needs_hidden, taps = "tree", False, ()
 
     def __init__(self, model, budget: int):
         self.model, self.budget, self.passes = model, budget, 0

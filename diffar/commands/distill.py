@@ -1,12 +1,21 @@
-"""`diffar distill dd2`: a one-step DD2 generator (x0 prediction) trained on an AR teacher's greedy outputs."""
+"""`diffar distill dd2`: a one-step DD2 generator (x0 prediction) trained on an AR teacher's greedy outputs.
+`diffar distill data`: a model's own responses to prompts it writes or is given, the training data of its
+drafter (`diffar train refusion --drafter block --corpus FILE`)."""
 
 from __future__ import annotations
 
 import torch
 
+from pathlib import Path
+
+from diffar.checkpoint import load_for_inference
 from diffar.commands import flags
+from diffar.data.prompts import SOURCES
 from diffar.models.dd2 import PRESETS as DD2_PRESETS
+from diffar.models.precision import PRECISIONS
+from diffar.errors import DiffarError
 from diffar.training import setup
+from diffar.training.self_data import self_data
 
 # the DD2Config fields this command sets from flags of the same name (None: the preset's or --init's)
 OVERRIDES = ("schedule", "cond_drop", "mse_weight", "ce_weight", "bleu_weight", "semantic_weight", "energy_weight",
@@ -39,6 +48,20 @@ def register(subparsers) -> None:
                          "scores only these")
     dd.set_defaults(func=run_dd2)
 
+    da = models.add_parser("data", help="a model's own greedy responses, as token ids (a drafter's training data)",
+                           parents=[flags.out("a JSONL file; records are appended, a finished source is reused"),
+                                    flags.seed()])
+    da.add_argument("--checkpoint", required=True, help="the AR model (a chat model for --source chat and code)")
+    da.add_argument("--source", required=True, choices=SOURCES,
+                    help="chat: instructions the model writes itself (Magpie); code: standard-library functions to "
+                         "complete; shakespeare: windows of the train split to continue")
+    da.add_argument("--examples", required=True, type=flags.positive_int, help="records of this source")
+    da.add_argument("--max-new-tokens", type=flags.positive_int, default=256)
+    da.add_argument("--batch-size", type=flags.positive_int, default=8)
+    da.add_argument("--dtype", default="bf16", choices=PRECISIONS, help="the model's precision (default bf16)")
+    da.add_argument("--threads", type=flags.positive_int, help="torch CPU threads")
+    da.set_defaults(func=run_data)
+
 
 def run_dd2(args) -> None:
     flags.use_threads(args)
@@ -49,3 +72,13 @@ def run_dd2(args) -> None:
     examples = setup.distillation_pairs(start, args.teacher, args.corpus, args.out, limit=args.teacher_examples,
                                         batch_size=args.teacher_batch_size)
     setup.fit_dd2(start, args.corpus, args.valid_corpus, flags.train_config(args), args.out, examples)
+
+
+def run_data(args) -> None:
+    flags.use_threads(args)
+    model, tokenizer, meta = load_for_inference(args.checkpoint, dtype=args.dtype)
+    if meta["kind"] != "ar":
+        raise DiffarError(f"--checkpoint {args.checkpoint} is a {meta['kind']} checkpoint, not an AR one")
+    made = self_data(model, tokenizer, args.source, args.examples, Path(args.out), max_new_tokens=args.max_new_tokens,
+                     batch_size=args.batch_size, seed=args.seed)
+    print(f"{args.out}: {made} {args.source} records made, {args.examples - made} were there already")

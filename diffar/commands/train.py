@@ -9,6 +9,7 @@ from diffar.commands import flags
 from diffar.data.corpora import load_corpus
 from diffar.errors import DiffarError
 from diffar.models.dd2 import PRESETS as DD2_PRESETS
+from diffar.models.drafter import PRESETS as DRAFTER_PRESETS
 from diffar.models.refusion import PRESETS as REFUSION_PRESETS
 from diffar.models.transformer import PRESETS, Transformer, TransformerConfig
 from diffar.models.vqvae import PRESETS as VQVAE_PRESETS
@@ -57,7 +58,8 @@ def _register_refusion(models) -> None:
                            parents=[flags.training()])
     rf.add_argument("--ar", help="AR checkpoint to start the AR stream from (its tokenizer is used)")
     rf.add_argument("--init", help="ReFusion checkpoint (e.g. stage 1) to start both streams from")
-    rf.add_argument("--preset", default="small", choices=sorted(REFUSION_PRESETS))
+    rf.add_argument("--preset", choices=sorted({*REFUSION_PRESETS, *DRAFTER_PRESETS}),
+                    help="the diffusion stream's size (default small; a block drafter's: block)")
     rf.add_argument("--stage", choices=["diffusion", "joint"], default="joint",
                     help="diffusion: the diffusion stream alone (stage 1); joint: with fusion and the AR stream")
     rf.add_argument("--train-ar", action="store_true", help="also train the AR stream (default: frozen)")
@@ -70,6 +72,16 @@ def _register_refusion(models) -> None:
     rf.add_argument("--kl-weight", type=float, help="weight of KL(AR || diffusion) (default 0.1)")
     rf.add_argument("--grad-checkpoint", action="store_true", default=None, help="recompute activations in backward")
     rf.add_argument("--tokenizer", default=str(flags.DEFAULT_TOKENIZER), help="without --ar")
+    rf.add_argument("--drafter", choices=["embedding", "block"], default="embedding",
+                    help="embedding: Gaussian diffusion in the embedding space (the shipped 7M models); block: a "
+                         "DFlash-style block drafter reading several AR layers, for pretrained models (presets "
+                         f"{', '.join(DRAFTER_PRESETS)}; default block)")
+    rf.add_argument("--draft-layers", type=flags.positive_int, help="block drafter: its layers (default 2)")
+    rf.add_argument("--feature-layers", type=int, nargs="+",
+                    help="block drafter: the AR layers it reads (default: 3 spread through the depth)")
+    rf.add_argument("--draft-vocab", type=int,
+                    help="block drafter: draft over the N most frequent training tokens (default 0: all)")
+    rf.add_argument("--loss-decay", type=float, help="block drafter: slot j's loss weight exp(-(j-1)/decay) (7)")
     rf.add_argument("--block-size", type=flags.positive_int,
                     help="training sequence length, e.g. 256 to chunk long text")
     rf.set_defaults(func=run_refusion)
@@ -97,14 +109,39 @@ def run_ar(args) -> None:
 
 def run_refusion(args) -> None:
     flags.use_threads(args)
+    if args.drafter == "block":
+        return run_block_drafter(args)
+    given = [f"--{n.replace('_', '-')}" for n in ("draft_layers", "feature_layers", "draft_vocab", "loss_decay")
+             if getattr(args, n) is not None]
+    if given:
+        raise DiffarError(f"{', '.join(given)} apply to --drafter block only")
     model, tokenizer = setup.refusion_model(
-        args.tokenizer, ar=args.ar, init=args.init, preset=args.preset, seed=args.seed, stage=args.stage,
+        args.tokenizer, ar=args.ar, init=args.init, preset=args.preset or "small", seed=args.seed, stage=args.stage,
         freeze_ar=not args.train_ar, block=args.block, anchors=args.anchors, schedule=args.schedule,
         ar_weight=args.ar_weight, mse_weight=args.mse_weight, kl_weight=args.kl_weight,
         grad_checkpoint=args.grad_checkpoint,
         ar_fusion_layers=None if args.ar_fusion_layers is None else tuple(args.ar_fusion_layers))
     data = setup.datasets(tokenizer, args.corpus, args.valid_corpus, model.config.ar.max_seq_len, args.block_size)
     setup.fit(model, "refusion", tokenizer, data, flags.train_config(args), args.out)
+
+
+def run_block_drafter(args) -> None:
+    """`train refusion --drafter block`: the target (--ar) frozen, the drafter's checkpoint naming it."""
+    if not args.ar:
+        raise DiffarError("a block drafter drafts for a trained AR model: pass --ar CHECKPOINT")
+    if args.init or args.train_ar or args.stage != "joint":
+        raise DiffarError("--init, --train-ar and --stage apply to the embedding drafter only")
+    if (args.preset or "block") not in DRAFTER_PRESETS:
+        raise DiffarError(f"a block drafter's preset is one of {', '.join(DRAFTER_PRESETS)}, not {args.preset}")
+    model, tokenizer = setup.drafter_model(
+        args.ar, preset=args.preset or "block", precision=args.precision, seed=args.seed, n_layer=args.draft_layers,
+        block=args.block, anchors=args.anchors, draft_vocab=args.draft_vocab, loss_decay=args.loss_decay,
+        feature_layers=args.feature_layers and tuple(args.feature_layers))
+    data = setup.datasets(tokenizer, args.corpus, args.valid_corpus, model.config.target.max_seq_len, args.block_size)
+    if model.config.draft_vocab:
+        share = model.set_vocab(setup.token_counts(data.train, model.config.target.vocab_size))
+        print(f"draft vocabulary: its {model.config.draft_vocab} tokens cover {share:.1%} of the training text")
+    setup.fit(model, "drafter", tokenizer, data, flags.train_config(args), args.out, target=args.ar)
 
 
 def run_vqvae(args) -> None:

@@ -41,16 +41,18 @@ class WindowDataset:
 
 
 class PairDataset:
-    """source <sep> target <eos>, right-padded per batch; the loss covers target tokens and eos."""
+    """source <sep> target <eos>, right-padded per batch; the loss covers target tokens and eos. `joined`:
+    the pairs are a model's prompt and response ids, already complete (token records): prompt + response."""
 
-    def __init__(self, examples: list[tuple[list[int], list[int]]], tokenizer: Tokenizer, block_size: int):
+    def __init__(self, examples: list[tuple[list[int], list[int]]], tokenizer: Tokenizer, block_size: int,
+                 joined: bool = False):
         self.pad_id = tokenizer.pad_id
         self.seqs, self.prefix = [], []
         for src, tgt in examples:
-            seq = src + [tokenizer.sep_id] + tgt + [tokenizer.eos_id]
-            if len(seq) <= block_size + 1:
+            seq = src + tgt if joined else src + [tokenizer.sep_id] + tgt + [tokenizer.eos_id]
+            if len(seq) <= block_size + 1 and len(seq) > len(src) + (not joined):
                 self.seqs.append(seq)
-                self.prefix.append(len(src) + 1)
+                self.prefix.append(len(src) + (not joined))
         if not self.seqs:
             raise DiffarError(f"no source/target pair fits in a block of {block_size} tokens")
         self.dropped = len(examples) - len(self.seqs)
@@ -80,6 +82,10 @@ class PairDataset:
 
 
 def build_dataset(corpus: Corpus, tokenizer: Tokenizer, block_size: int) -> WindowDataset | PairDataset:
+    if corpus.sequences is not None:
+        if corpus.tokenizer != tokenizer.sha256[:16]:
+            raise DiffarError(f"{corpus.name} holds token ids of another tokenizer than this model's")
+        return PairDataset(corpus.sequences, tokenizer, block_size, joined=True)
     if corpus.task == "continuation":
         ids: list[int] = []
         for doc in corpus.documents:

@@ -3,6 +3,8 @@
 A corpus is either *continuation* (a list of documents) or *seq2seq* (a list of source/target pairs).
 Embedded corpora are named (`shakespeare`, `kjv2web`) and have fixed splits; anything else is a path:
   - a `.jsonl` / `.jsonl.gz` file of {"source", "target"} records  -> seq2seq
+  - a `.jsonl` / `.jsonl.gz` file of {"prompt_ids", "response_ids"} records (`diffar distill data`: a model's own
+    responses, as token ids of its tokenizer)                      -> continuation, the loss on the responses
   - a text file, or a folder of `*.txt` files                        -> continuation (one document each)
 """
 
@@ -32,9 +34,13 @@ class Corpus:
     task: str  # "continuation" | "seq2seq"
     documents: list[str] | None = None
     pairs: list[Pair] | None = None
+    sequences: list[tuple[list[int], list[int]]] | None = None  # token records: (prompt ids, response ids [+ eos])
+    tokenizer: str | None = None  # token records: the tag of the tokenizer their ids belong to
 
     def texts(self) -> list[str]:
         """Every string in the corpus (for tokenizer training)."""
+        if self.sequences is not None:
+            raise DiffarError(f"{self.name} holds token ids, not text")
         if self.task == "continuation":
             return list(self.documents)
         return [t for p in self.pairs for t in (p.source, p.target)]
@@ -67,6 +73,24 @@ def _pairs(records: list[dict], path: Path) -> list[Pair]:
     return pairs
 
 
+def _sequences(records: list[dict], path: Path) -> Corpus:
+    """Token records (`diffar distill data`) -> a continuation corpus of (prompt, response) id sequences; a
+    response that ended gets the model's end-of-sequence id, which its record names by tokenizer tag only, so
+    the ids come back as written and `build_dataset` appends nothing."""
+    sequences, tags = [], set()
+    for i, r in enumerate(records, 1):
+        ids = [r.get("prompt_ids"), r.get("response_ids")] if isinstance(r, dict) else [None]
+        if not all(isinstance(x, list) and all(isinstance(t, int) and t >= 0 for t in x) for x in ids) \
+                or not ids[0] or not isinstance(r.get("eos_id"), int) or not isinstance(r.get("tokenizer"), str):
+            raise DiffarError(f"{path}: record {i} needs token id lists \"prompt_ids\" and \"response_ids\", "
+                              f"\"eos_id\" and \"tokenizer\"")
+        sequences.append((ids[0], ids[1] + ([r["eos_id"]] if r.get("ended") else [])))
+        tags.add(r["tokenizer"])
+    if len(tags) != 1:
+        raise DiffarError(f"{path} mixes token ids of {len(tags)} tokenizers")
+    return Corpus(str(path), "continuation", sequences=sequences, tokenizer=tags.pop())
+
+
 def _read_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
@@ -83,12 +107,14 @@ def _user_split(corpus: Corpus, split: str) -> Corpus:
         return corpus
     keep = (lambda i: i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1) if split == "valid" else \
         (lambda i: i % HOLDOUT_EVERY != HOLDOUT_EVERY - 1)
-    if corpus.task == "seq2seq":
-        pairs = [p for i, p in enumerate(corpus.pairs) if keep(i)]
-        if not pairs:
+    if corpus.task == "seq2seq" or corpus.sequences is not None:
+        records = [p for i, p in enumerate(corpus.pairs or corpus.sequences) if keep(i)]
+        if not records:
             raise DiffarError(f"{corpus.name} has too few records to hold out a {split} split; give a separate "
                               "validation corpus")
-        return Corpus(corpus.name, corpus.task, pairs=pairs)
+        if corpus.sequences is not None:
+            return Corpus(corpus.name, corpus.task, sequences=records, tokenizer=corpus.tokenizer)
+        return Corpus(corpus.name, corpus.task, pairs=records)
     cuts = [len(d) - len(d) // HOLDOUT_EVERY for d in corpus.documents]
     docs = [d[c:] if split == "valid" else d[:c] for d, c in zip(corpus.documents, cuts)]
     return Corpus(corpus.name, corpus.task, documents=[d for d in docs if d])
@@ -115,7 +141,9 @@ def load_corpus(name_or_path: str, split: str = "train", *, whole: bool = False)
             raise DiffarError(f"folder {path} holds no *.txt files")
         corpus = Corpus(str(path), "continuation", documents=[_read_text(f) for f in files])
     elif path.name.endswith((".jsonl", ".jsonl.gz")):
-        corpus = Corpus(str(path), "seq2seq", pairs=_pairs(_read_jsonl(path), path))
+        records = _read_jsonl(path)
+        tokens = bool(records) and isinstance(records[0], dict) and "prompt_ids" in records[0]
+        corpus = _sequences(records, path) if tokens else Corpus(str(path), "seq2seq", pairs=_pairs(records, path))
     else:
         text = _read_text(path)
         if not text.strip():

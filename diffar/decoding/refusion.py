@@ -104,7 +104,7 @@ class DiffusionDrafter:
     """A proposer for `speculative_generate`: ReFusion's diffusion stream."""
 
     name = "diffusion"
-    needs_hidden = True
+    needs_hidden, taps = True, ()
 
     def __init__(self, model: RefusionModel, schedule: DraftSchedule = DraftSchedule(),
                  prompt_words: list[int] | None = None):

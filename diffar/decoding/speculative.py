@@ -59,10 +59,11 @@ class DecodeState:
     prompt_lengths: list[int]
     max_new_tokens: int
     valid: torch.Tensor  # (B, slots) bool
-    hidden: torch.Tensor | None  # (B, slots, d) the target's final hidden states, for drafters that read them
+    hidden: torch.Tensor | None  # (B, slots, width) the target's states a drafter reads (`keep`), or None
     write: int  # the next free slot
     done: list[bool]  # rows that are over (eos or budget): their seqs and slots no longer change
     compactions: int = 0  # slot contents move at each: caches keyed by slot must be rebuilt
+    taps: tuple[int, ...] = ()  # `hidden` keeps these target layers' outputs, concatenated; (): the final states
 
     def new_tokens(self, row: int) -> int:
         return len(self.seqs[row]) - self.prompt_lengths[row]
@@ -80,9 +81,18 @@ class DecodeState:
         within, offsets = tree or (torch.ones(n, n, dtype=torch.bool).tril().expand(B, n, n), torch.arange(n))
         positions = torch.tensor([len(s) - 1 for s in self.seqs]).unsqueeze(1) + offsets
         mask = torch.cat([self.valid[:, None, :self.write].expand(B, n, self.write), within], dim=2)
-        h = target.hidden_states(blocks, positions=positions, attn_mask=mask.unsqueeze(1), cache_start=self.write)
+        return self.run(target, blocks, positions=positions, attn_mask=mask.unsqueeze(1))
+
+    def run(self, target: Transformer, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The target over `tokens` at slots [write, write + T) (`hidden_states` arguments) -> its final states;
+        what the drafter reads of them goes to `hidden`."""
+        if self.hidden is None or not self.taps:
+            h = target.hidden_states(tokens, cache_start=self.write, **kwargs)
+            kept = h
+        else:
+            h, kept = target.tapped_states(tokens, self.taps, cache_start=self.write, **kwargs)
         if self.hidden is not None:
-            self.hidden[:, self.write:self.write + n] = h
+            self.hidden[:, self.write:self.write + tokens.shape[1]] = kept
         return h
 
     def compact(self, target: Transformer) -> None:
@@ -106,6 +116,7 @@ class Proposer(Protocol):
 
     name: str  # what drafts, in labels: prompt-lookup, draft, diffusion
     needs_hidden: bool  # whether it reads the target's hidden states (`DecodeState.hidden`)
+    taps: tuple[int, ...]  # which: the outputs of these target layers, concatenated; (): the final states
     passes: int  # the forward passes it has made since `start`
 
     def start(self, batch_size: int, max_len: int) -> None:
@@ -122,7 +133,7 @@ class DraftModel:
     rest of the text is fed in one pass for all rows; then k - 1 single-token steps draft for every row."""
 
     name = "draft"
-    needs_hidden = False
+    needs_hidden, taps = False, ()
 
     def __init__(self, model: Transformer):
         self.model, self.passes = model, 0
@@ -189,7 +200,7 @@ class PromptLookup:
 
     name = "prompt-lookup"
     passes = 0  # drafting costs no forward pass
-    needs_hidden = False
+    needs_hidden, taps = False, ()
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -301,13 +312,10 @@ def speculative_generate(
     state = DecodeState(
         seqs=[list(p) for p in prompts], prompt_lengths=[len(p) for p in prompts], max_new_tokens=max_new_tokens,
         valid=torch.zeros(B, slots, dtype=torch.bool),
-        hidden=target.tok_emb.weight.new_zeros(B, slots, target.config.d_model) if proposer.needs_hidden else None,
-        write=0, done=[False] * B)
+        hidden=target.tok_emb.weight.new_zeros(B, slots, target.config.d_model * max(1, len(proposer.taps)))
+        if proposer.needs_hidden else None, write=0, done=[False] * B, taps=proposer.taps)
     state.valid[:, :width] = torch.arange(width) >= batch.pad.unsqueeze(1)
-    h = target.hidden_states(batch.tokens, positions=batch.positions(0, width), attn_mask=batch.attn_mask(0, width),
-                             cache_start=0)
-    if state.hidden is not None:
-        state.hidden[:, :width] = h
+    h = state.run(target, batch.tokens, positions=batch.positions(0, width), attn_mask=batch.attn_mask(0, width))
     state.write = width
     pins = fixed or [{} for _ in prompts]
     last_pin = [max(p, default=-1) for p in pins]

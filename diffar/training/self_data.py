@@ -1,0 +1,93 @@
+"""A drafter's training data from its target's own outputs: the target answers prompts (greedy), so the drafter
+learns to predict exactly what verification will accept (DFlash and EAGLE train on responses their target
+regenerated). Prompts come from `data/prompts.py`: instructions the model writes itself (Magpie), standard
+library functions to complete, Shakespeare windows.
+
+Records are appended to a JSONL file as they are made (fsynced per batch), so an interrupted run resumes where it
+stopped, and one file may gather several sources (record i of each); each holds the exact token ids, which
+`load_corpus` reads back as a token corpus for training:
+    {"i": 0, "source": "chat", "prompt_ids": [...], "response_ids": [...], "ended": true, "eos_id": 2,
+     "tokenizer": "<sha256 of the tokenizer, first 16 digits>"}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from diffar.data.prompts import (chat_prefix, chat_prompt, code_prompt, shakespeare_windows, stdlib_functions)
+from diffar.decoding.ar import generate
+from diffar.decoding.sampling import SamplingConfig
+from diffar.errors import DiffarError
+from diffar.models.transformer import Transformer
+from diffar.tokenizer import Tokenizer
+
+INSTRUCTION_TOKENS = 96  # the longest self-written instruction
+INSTRUCTION_SAMPLING = SamplingConfig(temperature=1.0, top_p=0.95)  # varied, as Magpie samples its queries
+
+
+def _read(out: Path, source: str, tag: str) -> dict[int, dict]:
+    done: dict[int, dict] = {}
+    if not out.exists():
+        return done
+    for line in out.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            i = int(record["i"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by an interruption: made again
+        if record.get("tokenizer") != tag:
+            raise DiffarError(f"{out} holds another model's data; remove it or write elsewhere")
+        if record.get("source") == source:
+            done[i] = record
+    return done
+
+
+def _fixed_prompts(source: str, tokenizer: Tokenizer, examples: int) -> list[list[int]]:
+    if source == "code":
+        functions = stdlib_functions(examples)
+        if len(functions) < examples:
+            raise DiffarError(f"the standard library holds {len(functions)} documented functions, fewer than "
+                              f"--examples {examples}")
+        return [code_prompt(tokenizer, f) for f in functions]
+    windows = shakespeare_windows(tokenizer, "train", examples)
+    if len(windows) < examples:
+        raise DiffarError(f"the Shakespeare train split holds {len(windows)} windows, fewer than --examples {examples}")
+    return windows
+
+
+def self_data(model: Transformer, tokenizer: Tokenizer, source: str, examples: int, out: Path, *,
+              max_new_tokens: int = 256, batch_size: int = 8, seed: int = 0) -> int:
+    """Make (or finish making) `examples` records of `source` in `out`; returns how many were made now."""
+    tag = tokenizer.sha256[:16]  # what `build_dataset` checks the ids against
+    done = _read(out, source, tag)
+    todo = [i for i in range(examples) if i not in done]
+    fixed = None if source == "chat" else _fixed_prompts(source, tokenizer, examples)
+    prefix = chat_prefix(tokenizer) if source == "chat" else None
+    text = out.read_text(encoding="utf-8") if out.exists() else ""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "a", encoding="utf-8") as f, tqdm(total=examples, initial=examples - len(todo), desc=source,
+                                                     dynamic_ncols=True) as bar:
+        if text and not text.endswith("\n"):
+            f.write("\n")  # end a line cut short by an interruption
+        for start in range(0, len(todo), batch_size):
+            rows = todo[start:start + batch_size]
+            if fixed is None:  # Magpie: the model writes the user's message, seeded by the batch's first record
+                g = torch.Generator().manual_seed(seed * 1_000_003 + rows[0])
+                asked = generate(model, [prefix] * len(rows), INSTRUCTION_TOKENS, pad_id=tokenizer.pad_id,
+                                 eos_id=tokenizer.eos_id, sampling=INSTRUCTION_SAMPLING, generator=g)
+                prompts = [chat_prompt(tokenizer, tokenizer.decode(ids).strip()) for ids in asked.tokens]
+            else:
+                prompts = [fixed[i] for i in rows]
+            answers = generate(model, prompts, max_new_tokens, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id)
+            for i, prompt, response, ended in zip(rows, prompts, answers.tokens, answers.ended):
+                f.write(json.dumps({"i": i, "source": source, "prompt_ids": prompt, "response_ids": response,
+                                    "ended": ended, "eos_id": tokenizer.eos_id, "tokenizer": tag}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(len(rows))
+    return len(todo)

@@ -1,0 +1,190 @@
+"""The block drafter (models/drafter.py, decoding/drafter.py): lossless whatever it drafts (greedy equals AR, chain
+or tree, batched; sampled output follows the AR law), its decoding path computes what its training path computes,
+it learns, and the CLI trains, saves (without its target's weights) and decodes with it."""
+
+import json
+
+import pytest
+import torch
+
+from diffar.checkpoint import load_checkpoint, resolve
+from diffar.data.batching import IGNORE_INDEX
+from diffar.data.corpora import load_corpus
+from diffar.decoding.ar import generate
+from diffar.decoding.drafter import BlockProposer
+from diffar.decoding.speculative import speculative_generate
+from diffar.errors import DiffarError
+from diffar.models.drafter import BlockDrafter, DrafterConfig, spread_layers
+from tests.conftest import TINY_TRAIN, assert_clean_error, random_model, run_cli
+from tests.test_speculative import assert_follows_the_ar_law
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [40, 41, 40, 41, 40]]
+
+
+def drafter_for(target, seed: int = 1, **overrides) -> BlockDrafter:
+    torch.manual_seed(seed)
+    drafter = BlockDrafter(DrafterConfig.from_preset("tiny", target=target.config, **overrides))
+    drafter.attach(target)
+    drafter.init_from_target()
+    return drafter.eval()
+
+
+@pytest.mark.parametrize("tree", [0, 6])
+@pytest.mark.parametrize("draft_vocab", [0, 64])
+def test_greedy_equals_ar(tree, draft_vocab):
+    target = random_model(0)
+    drafter = drafter_for(target, draft_vocab=draft_vocab, block=5)
+    if draft_vocab:
+        drafter.set_vocab(torch.rand(target.config.vocab_size))
+    reference = generate(target, PROMPTS, 24, eos_id=None, pad_id=0).tokens
+    out = speculative_generate(target, BlockProposer(drafter, tree), PROMPTS, 24, k=4, eos_id=None)
+    assert out.tokens == reference
+    assert out.passes["draft"] > 0 and out.extra["drafted"] > 0
+
+
+def test_a_drafter_that_knows_the_answer_is_accepted():
+    """Drafts that match the target are kept: with the drafter's output layer rigged to the target's own next
+    tokens, every draft of a chain is accepted, so passes fall to about budget / block."""
+    target = random_model(0)
+    reference = generate(target, [PROMPTS[0]], 24, eos_id=None, pad_id=0).tokens[0]
+    drafter = drafter_for(target, block=5)
+    text = PROMPTS[0] + reference
+
+    def oracle(h):  # slot j of the block after position p holds text[p + j + 1]
+        p = len(state_len) - 1
+        logits = torch.full((*h.shape[:-1], target.config.vocab_size), -1e4)
+        for j in range(h.shape[1]):
+            if p + j + 1 < len(text):
+                logits[:, j, text[p + j + 1]] = 0.0
+        return logits
+    proposer = BlockProposer(drafter)
+    state_len: list = []
+    original = proposer.propose
+
+    def propose(state, k, sampling, generator):
+        state_len[:] = state.seqs[0]
+        return original(state, k, sampling, generator)
+    proposer.propose, drafter.logits = propose, oracle
+    out = speculative_generate(target, proposer, [PROMPTS[0]], 24, k=4, eos_id=None)
+    assert out.tokens[0] == reference
+    assert out.extra["accepted"] == out.extra["drafted"]
+    assert out.passes["target"] <= 1 + 24 // 5 + 1
+
+
+def test_sampling_follows_the_ar_law():
+    assert_follows_the_ar_law(lambda _: BlockProposer(drafter_for(random_model(0, vocab=6), block=3)))
+
+
+def test_decoding_reads_what_training_reads():
+    """The proposer's first block (prefill, then the anchor pinned) equals the training pass's block at the same
+    anchor: same context positions, features, masks and RoPE positions."""
+    target = random_model(0)
+    drafter = drafter_for(target, block=5)
+    text = torch.tensor([PROMPTS[2] + [30, 31, 32]])
+    s = len(PROMPTS[2])  # the anchor: token s, context positions < s
+    with torch.no_grad():
+        _, features = target.tapped_states(text, drafter.config.feature_layers)
+        T = text.shape[1]
+        kv = drafter.context_kv(drafter.context(features), torch.arange(T).unsqueeze(0))
+        sees = (torch.arange(T) < s).view(1, 1, 1, T)
+        trained = drafter.logits(drafter.draft_hidden(text[0, s:s + 1], torch.tensor([s]), kv, sees))[0, 1:]
+    seen = []
+    logits = drafter.logits
+    drafter.logits = lambda h: seen.append(logits(h)) or seen[-1]
+    speculative_generate(target, BlockProposer(drafter), [PROMPTS[2]], 3, k=4, eos_id=None,
+                         fixed=[{0: int(text[0, s])}])
+    torch.testing.assert_close(seen[0][0], trained, atol=1e-4, rtol=1e-4)
+
+
+def test_training_lowers_the_loss():
+    target = random_model(0, vocab=64)
+    prompts = torch.randint(64, (32, 4), generator=torch.Generator().manual_seed(0)).tolist()
+    outputs = generate(target, prompts, 20, eos_id=None, pad_id=0).tokens
+    seqs = torch.tensor([p + o for p, o in zip(prompts, outputs)])
+    tokens, targets = seqs[:, :-1], seqs[:, 1:].clone()
+    targets[:, :3] = IGNORE_INDEX  # the prompt
+    drafter = drafter_for(target, block=4).train()
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    losses = []
+    for _ in range(40):
+        _, loss = drafter(tokens, targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert drafter.target.tok_emb.weight.grad is None  # the target stays frozen
+
+
+def test_config_checks():
+    cfg = random_model(0).config
+    assert spread_layers(30) == (1, 14, 26) and spread_layers(2) == (1,)
+    with pytest.raises(DiffarError, match="feature_layers"):
+        DrafterConfig(target=cfg, feature_layers=(0, cfg.n_layer))
+    with pytest.raises(DiffarError, match="draft_vocab"):
+        DrafterConfig(target=cfg, draft_vocab=cfg.vocab_size + 1)
+    with pytest.raises(DiffarError, match="another AR model"):
+        BlockDrafter(DrafterConfig(target=cfg)).attach(random_model(0, vocab=100))
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter(tiny_shakespeare_run, tmp_path_factory):
+    """The tiny Shakespeare model's own continuations (`distill data`), and a block drafter trained on them."""
+    runs = tmp_path_factory.mktemp("runs")
+    data = runs / "self.jsonl"
+    made = run_cli("distill", "data", "--checkpoint", tiny_shakespeare_run, "--source", "shakespeare",
+                   "--examples", "40", "--max-new-tokens", "24", "--batch-size", "20", "--dtype", "fp32",
+                   "--out", data, "--threads", "1")
+    assert made.returncode == 0, made.stderr
+    out = runs / "drafter"
+    train = run_cli("train", "refusion", "--drafter", "block", "--ar", tiny_shakespeare_run, "--corpus", data,
+                    "--draft-vocab", "256", "--out", out, "--max-steps", "6", "--block-size", "128", *TINY_TRAIN)
+    assert train.returncode == 0, train.stderr
+    return data, out
+
+
+def test_cli_data_resumes(tiny_drafter, tiny_shakespeare_run):
+    data, _ = tiny_drafter
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    assert sorted(r["i"] for r in records) == list(range(40))
+    assert all(r["response_ids"] for r in records)
+    again = run_cli("distill", "data", "--checkpoint", tiny_shakespeare_run, "--source", "shakespeare",
+                    "--examples", "40", "--max-new-tokens", "24", "--dtype", "fp32", "--out", data)
+    assert again.returncode == 0 and "0 shakespeare records made" in again.stdout
+    corpus = load_corpus(str(data), "train")
+    assert len(corpus.sequences) == 38 and corpus.task == "continuation"  # 1 in 20 held out
+
+
+def test_cli_checkpoint_holds_the_drafter_only(tiny_drafter, tiny_shakespeare_run):
+    _, out = tiny_drafter
+    folder = resolve(out)
+    meta = json.loads((folder / "config.json").read_text())
+    assert meta["kind"] == "drafter" and meta["target"] == str(tiny_shakespeare_run)
+    target_bytes = (resolve(tiny_shakespeare_run) / "model.safetensors").stat().st_size
+    assert (folder / "model.safetensors").stat().st_size < target_bytes
+    drafter, _, _ = load_checkpoint(out)
+    assert len(drafter.vocab) == 256 and drafter.target is not None
+
+
+def test_cli_generate_equals_ar(tiny_drafter, tiny_shakespeare_run):
+    _, out = tiny_drafter
+    prompt = "ROMEO.\nBut soft, what light"
+    plain = run_cli("generate", "--checkpoint", tiny_shakespeare_run, "--prompt", prompt, "--max-new-tokens", "40")
+    for extra in ([], ["--tree", "8"]):
+        drafted = run_cli("generate", "--checkpoint", out, "--prompt", prompt, "--max-new-tokens", "40", *extra)
+        assert drafted.returncode == 0, drafted.stderr
+        assert drafted.stdout == plain.stdout
+        assert "drafter passes" in drafted.stderr
+
+
+def test_cli_errors(tiny_shakespeare_run, tiny_run, tiny_drafter, tmp_path):
+    data, _ = tiny_drafter
+    assert_clean_error(run_cli("train", "refusion", "--drafter", "block", "--corpus", data, "--out", tmp_path / "a"),
+                       "pass --ar CHECKPOINT")
+    assert_clean_error(run_cli("train", "refusion", "--drafter", "block", "--ar", tiny_shakespeare_run, "--corpus",
+                               data, "--feature-layers", "7", "--out", tmp_path / "b"), "feature_layers")
+    assert_clean_error(run_cli("train", "refusion", "--ar", tiny_shakespeare_run, "--corpus", data,
+                               "--draft-vocab", "5", "--out", tmp_path / "c"), "--drafter block only")
+    assert_clean_error(run_cli("distill", "data", "--checkpoint", tiny_shakespeare_run, "--source", "chat",
+                               "--examples", "2", "--out", tmp_path / "d.jsonl"), "no chat template")
