@@ -188,3 +188,22 @@ def test_cli_errors(tiny_shakespeare_run, tiny_run, tiny_drafter, tmp_path):
                                "--draft-vocab", "5", "--out", tmp_path / "c"), "--drafter block only")
     assert_clean_error(run_cli("distill", "data", "--checkpoint", tiny_shakespeare_run, "--source", "chat",
                                "--examples", "2", "--out", tmp_path / "d.jsonl"), "no chat template")
+
+
+def test_cli_bench_prompt_set(tiny_drafter, tmp_path):
+    """The prompt-set bench: the drafter's methods are lossless (exact match with AR), the transformers peer
+    runs on the same weights, and every record says what the drafter costs."""
+    _, out = tiny_drafter
+    proc = run_cli("bench", "refusion", "--checkpoint", out, "--set", "shakespeare", "--prompts", "2",
+                   "--new-tokens", "16", "--batch-sizes", "1", "2", "--methods", "ar", "refusion", "refusion-tree",
+                   "ar+prompt-lookup", "transformers", "transformers+prompt-lookup", "--out", tmp_path / "b.json")
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads((tmp_path / "b.json").read_text())
+    by = {(r["method"], r["batch_size"]): r for r in records}
+    assert ("transformers+prompt-lookup", 2) not in by and ("transformers+prompt-lookup", 1) in by
+    for (name, _), r in by.items():
+        assert r["new_tokens"] == 16
+        if name.startswith(("refusion", "ar")):
+            assert r["extra"]["exact_match_vs_ar"] == 1.0
+    assert by["refusion", 1]["extra"]["draft_cost_vs_ar_step"] > 0
+    assert by["refusion-tree", 2]["extra"]["tokens_per_ar_pass"] >= 1.0

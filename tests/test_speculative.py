@@ -46,7 +46,7 @@ class NoisyOracle:
     """Drafts each row's true greedy continuation with random tokens mixed in: rows accept different numbers
     of drafts, as with a real drafter."""
 
-    needs_hidden, taps, passes = False, (), 0
+    needs_hidden, taps, tree, passes = False, (), 0, 0
 
     def __init__(self, prompts, references, error_rate=0.3):
         self.prompt_len, self.references = [len(p) for p in prompts], references

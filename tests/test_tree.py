@@ -26,7 +26,7 @@ class TreeDrafter:
     name, needs_hidden, taps = "tree", False, ()
 
     def __init__(self, model, budget: int):
-        self.model, self.budget, self.passes = model, budget, 0
+        self.model, self.tree, self.passes = model, budget, 0
 
     def start(self, batch_size, max_len):
         self.passes = 0
@@ -40,7 +40,7 @@ class TreeDrafter:
                 p = torch.softmax(self.model(torch.tensor([seq]))[0][0, -1].float(), -1)
                 marginals.append(p)
                 seq.append(int(p.argmax()))
-            tokens, parents = best_first(torch.stack(marginals), self.budget) if marginals else ([], [])
+            tokens, parents = best_first(torch.stack(marginals), self.tree) if marginals else ([], [])
             drafts.append(Draft(tokens, parents=parents))
         self.passes += 1
         return drafts

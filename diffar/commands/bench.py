@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from diffar.commands import flags
+from diffar.data.prompts import SOURCES
 from diffar.errors import DiffarError
 
 
@@ -46,13 +47,18 @@ def register(subparsers) -> None:
     bsp.add_argument("--methods", nargs="+", default=["ar", "ar+prompt-lookup", "ar+draft"])
     bsp.set_defaults(func=run_speculative)
     brf = methods.add_parser("refusion", help="ReFusion lossless decoding against AR and its speculative peers",
-                             parents=lossless)
+                             parents=[*lossless, flags.dtype(), flags.seed()])
     brf.add_argument("--checkpoint", default="checkpoints/refusion-kjv2web", help="a ReFusion checkpoint")
     brf.add_argument("--draft", default="checkpoints/draft-kjv2web", help="the small AR drafter peer")
     brf.add_argument("--methods", nargs="+",
                      default=["ar", "ar+prompt-lookup", "ar+draft", "refusion", "refusion-dynamic", "refusion-infill"])
     brf.add_argument("--plan-threshold", type=float, default=0.9, help="refusion-infill: keep drafts this confident")
     brf.add_argument("--plan-slot", type=flags.positive_int, default=1, help="refusion-infill: tokens per planned slot")
+    brf.add_argument("--set", choices=SOURCES,
+                     help="a chat model's prompt set instead of a corpus: code (HumanEval), chat (a fixed list, then "
+                          "held-out self-written instructions), shakespeare (test windows); methods may add the "
+                          "peers transformers and transformers+prompt-lookup")
+    brf.add_argument("--temperature", type=float, default=0.0, help="--set: 0 = greedy, else plain sampling")
     brf.set_defaults(func=run_refusion)
 
     bdd = methods.add_parser("dd2", help="DD2 one-step / few-step / hybrid sampling against AR",
@@ -93,7 +99,17 @@ def run_speculative(args) -> None:
 
 
 def run_refusion(args) -> None:
-    _lossless(args, plan_threshold=args.plan_threshold, plan_slot=args.plan_slot)
+    if not args.set:
+        if args.dtype != "fp32" or args.temperature:
+            raise DiffarError("--dtype and --temperature apply to --set runs (corpus runs are greedy, fp32)")
+        return _lossless(args, plan_threshold=args.plan_threshold, plan_slot=args.plan_slot)
+    from diffar.evaluation.bench import bench_prompt_set, print_table, write_records
+
+    records = bench_prompt_set(args.checkpoint, args.set, args.prompts, args.new_tokens, args.batch_sizes,
+                               args.methods, draft=args.draft if "ar+draft" in args.methods else None, k=args.k,
+                               temperature=args.temperature, dtype=args.dtype, seed=args.seed)
+    print_table(records)
+    write_records(records, args.out)
 
 
 def run_dd2(args) -> None:

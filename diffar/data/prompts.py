@@ -98,3 +98,28 @@ def shakespeare_windows(tokenizer: Tokenizer, split: str, limit: int) -> list[li
     starts = range(0, len(ids) - SHAKESPEARE_TOKENS, SHAKESPEARE_TOKENS)
     step = max(1, len(starts) // max(limit, 1))
     return [ids[s:s + SHAKESPEARE_TOKENS] for s in starts[::step][:limit]]
+
+
+def heldout_chat(tokenizer: Tokenizer, data: str, limit: int) -> list[list[int]]:
+    """Up to `limit` self-written chat prompts of a `distill data` file's valid split (never trained on): those
+    that open with the chat template and are not code requests."""
+    prefix, code = chat_prefix(tokenizer), tokenizer.encode(CODE_REQUEST.split("\n")[0])
+    prompts = []
+    for prompt, _ in load_corpus(data, "valid").sequences:
+        body = prompt[len(prefix):len(prefix) + len(code) + 8]
+        if prompt[:len(prefix)] == prefix and not any(body[i:i + len(code)] == code for i in range(8)):
+            prompts.append(prompt)
+    return prompts[:limit]
+
+
+def prompt_set(name: str, tokenizer: Tokenizer, limit: int, data: str | None = None) -> list[list[int]]:
+    """A benchmark prompt set as token ids: code (HumanEval), chat (`CHAT`, then held-out self-written
+    instructions of `data`), shakespeare (test windows)."""
+    if name == "code":
+        return [code_prompt(tokenizer, p) for p in humaneval()[:limit]]
+    if name == "chat":
+        fixed = [chat_prompt(tokenizer, m) for m in CHAT[:limit]]
+        return fixed + (heldout_chat(tokenizer, data, limit - len(fixed)) if data and limit > len(fixed) else [])
+    if name == "shakespeare":
+        return shakespeare_windows(tokenizer, "test", limit)
+    raise DiffarError(f"unknown prompt set {name!r}; choose one of {', '.join(SOURCES)}")

@@ -112,6 +112,7 @@ class DiffusionDrafter:
             raise DiffarError("this ReFusion model's AR stream reads the diffusion stream (AR-side fusion), so its "
                               "drafts would change the text: lossless decoding needs ar_fusion_layers = ()")
         self.model, self.schedule, self.prompt_words = model, schedule, prompt_words
+        self.tree = schedule.tree
         self.passes = 0
         # Rounding a block against the 8k-row table is the stream's largest matmul; in bf16 it runs several
         # times faster on CPUs with bf16 dot products, and a draft's precision cannot change the verified text.

@@ -117,6 +117,7 @@ class Proposer(Protocol):
     name: str  # what drafts, in labels: prompt-lookup, draft, diffusion
     needs_hidden: bool  # whether it reads the target's hidden states (`DecodeState.hidden`)
     taps: tuple[int, ...]  # which: the outputs of these target layers, concatenated; (): the final states
+    tree: int  # the most nodes one of its tree drafts holds (0: it drafts chains only)
     passes: int  # the forward passes it has made since `start`
 
     def start(self, batch_size: int, max_len: int) -> None:
@@ -133,7 +134,7 @@ class DraftModel:
     rest of the text is fed in one pass for all rows; then k - 1 single-token steps draft for every row."""
 
     name = "draft"
-    needs_hidden, taps = False, ()
+    needs_hidden, taps, tree = False, (), 0
 
     def __init__(self, model: Transformer):
         self.model, self.passes = model, 0
@@ -200,7 +201,7 @@ class PromptLookup:
 
     name = "prompt-lookup"
     passes = 0  # drafting costs no forward pass
-    needs_hidden, taps = False, ()
+    needs_hidden, taps, tree = False, (), 0
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -306,7 +307,7 @@ def speculative_generate(
     B = len(prompts)
     batch = Batch.from_prompts(prompts, pad_id)
     width = batch.tokens.shape[1]
-    slots = width + max_new_tokens + 4 * (k + 1)
+    slots = width + max_new_tokens + 4 * (max(k, proposer.tree) + 1)  # room for rejected blocks between compactions
     target.setup_cache(B, slots)
     proposer.start(B, max(map(len, prompts)) + max_new_tokens + k)
     state = DecodeState(
@@ -350,8 +351,11 @@ def speculative_generate(
 
     for row, t in enumerate(first):
         emit(row, t)
+    draft_seconds = 0.0
     while not all(done):
+        t_draft = time.perf_counter()
         proposals = proposer.propose(state, block.k, sampling, generator)
+        draft_seconds += time.perf_counter() - t_draft
         room = [max_new_tokens - state.new_tokens(r) - 1 for r in range(B)]  # the target adds a token of its own
         proposals = [Draft([]) if done[r] else p.within(room[r]) for r, p in enumerate(proposals)]
         n = 1 + max(len(p.tokens) for p in proposals)
@@ -396,4 +400,4 @@ def speculative_generate(
         block.update(accepted_now)
     out = [seq[n:] for seq, n in zip(state.seqs, state.prompt_lengths)]
     return GenerationResult(out, time.perf_counter() - t0, {"target": passes, "draft": proposer.passes}, ended,
-                            {"drafted": drafted, "accepted": accepted_total})
+                            {"drafted": drafted, "accepted": accepted_total, "draft_seconds": draft_seconds})

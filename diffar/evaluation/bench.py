@@ -18,6 +18,8 @@ from diffar.decoding.speculative import DraftModel, PromptLookup
 from diffar.errors import DiffarError
 from diffar.evaluation.hardware import cpu_name, memory_bandwidth, weight_bytes_per_step
 from diffar.evaluation.metrics import conditional_perplexity, repetition, text_metrics
+from diffar.data.prompts import prompt_set as prompt_set_ids
+from diffar.decoding.sampling import SamplingConfig
 from diffar.evaluation.peers import PEERS, transformers_generate, transformers_llama, transformers_version
 from diffar.generation import ARMethod, DD2Method, GenerationMethod, Options, RefusionMethod
 from diffar.models.refusion import RefusionModel
@@ -149,7 +151,8 @@ def lossless_methods(model, tokenizer, task: str, draft_model, k: int, plan_thre
                      plan_slot: int) -> dict:
     """The lossless bench's methods by name, all verifying with the same AR weights."""
     ar = ar_stream(model)
-    k_refusion = min(k, model.config.block) if isinstance(model, RefusionModel) else k  # it drafts `block` a pass
+    # ReFusion drafts `block` tokens a pass; a block drafter verifies its whole block (the anchor aside)
+    k_refusion = min(k, model.config.block) if isinstance(model, RefusionModel) else None
     return {
         "ar": lambda: ARMethod(ar, tokenizer, task),
         "ar+prompt-lookup": lambda: ARMethod(ar, tokenizer, task, proposer=PromptLookup(), k=k),
@@ -214,6 +217,81 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
                 "draft_acceptance": round(accepted / drafted, 3) if drafted else None,
                 "exact_match_vs_ar": sum(a == b for a, b in zip(outs, reference_outputs)) / len(outs),
                 "bleu4": quality["bleu4"], "rougeL": quality["rougeL"]}))
+    return records
+
+
+PEER_METHODS = ("transformers", "transformers+prompt-lookup")
+PEER_LOOKUP = 10  # transformers+prompt-lookup's drafted tokens (its documented example's value)
+
+
+def bench_prompt_set(checkpoint: str, prompt_set: str, n_prompts: int, new_tokens: int, batch_sizes: list[int],
+                     methods: list[str], *, draft: str | None = None, k: int = 8, temperature: float = 0.0,
+                     dtype: str = "bf16", seed: int = 0) -> list[BenchRecord]:
+    """The lossless methods on a pretrained chat model's prompt sets (data/prompts.py: code = HumanEval, chat,
+    shakespeare), against the peers its users run on the same weights in the same run: transformers' `generate`
+    and its prompt lookup (batch 1 only, as transformers allows). Chat and code stop at eos (at most
+    `new_tokens`), Shakespeare makes exactly `new_tokens`. Greedy (`temperature` 0) or sampled.
+
+    Records: tokens/s, tokens per AR pass (tau, the bonus token included), draft acceptance, the drafter's cost
+    per pass relative to a plain AR step at the same batch size, and (greedy) the share of rows equal to
+    diffar AR's."""
+    model, tokenizer, meta = load_for_inference(checkpoint, dtype=dtype)
+    ar = ar_stream(model)
+    if any(m.startswith("refusion") for m in methods) and meta["kind"] not in ("refusion", "drafter"):
+        raise DiffarError(f"{checkpoint} is an AR checkpoint; the refusion methods need a drafter or ReFusion one")
+    draft_model = load_ar(draft, tokenizer, "--draft", dtype=dtype) if "ar+draft" in methods else None
+    builders = lossless_methods(model, tokenizer, meta["task"], draft_model, k, 0.9, 1)
+    unknown = set(methods) - set(builders) - set(PEER_METHODS)
+    if unknown:
+        raise DiffarError(f"unknown method(s) {', '.join(sorted(unknown))}; choose from "
+                          f"{', '.join([*builders, *PEER_METHODS])}")
+    prompts = prompt_set_ids(prompt_set, tokenizer, n_prompts, meta["corpus"] if meta["kind"] == "drafter" else None)
+    to_eos = prompt_set != "shakespeare"
+    eos_id = tokenizer.eos_id if to_eos else None
+    settings = SamplingConfig(temperature=temperature)
+    peer = transformers_llama(ar, tokenizer.pad_id) if set(methods) & set(PEER_METHODS) else None
+    records = []
+    for bs in batch_sizes:
+        batches = _batches(len(prompts), bs)
+        reference, step_s = None, None
+        for name in methods:
+            generator = torch.Generator().manual_seed(seed)
+            torch.manual_seed(seed)  # transformers samples from the global generator
+            if name in PEER_METHODS:
+                lookup = PEER_LOOKUP if name.endswith("prompt-lookup") else 0
+                if lookup and bs > 1:
+                    print(f"note: {name} runs at batch size 1 only (transformers' assisted decoding); skipped at {bs}")
+                    continue
+                run = lambda rows: transformers_generate(peer, [prompts[i] for i in rows], new_tokens,
+                                                         tokenizer.pad_id, eos_id=eos_id, temperature=temperature,
+                                                         prompt_lookup=lookup)
+                run(batches[0])
+                results = [run(rows) for rows in batches]
+                method = None
+            else:
+                method = builders[name]()
+                results = _run(method, settings, prompts, batches, lambda rows: new_tokens, generator=generator,
+                               ignore_eos=not to_eos)
+            outs = [t for r in results for t in r.tokens]
+            seconds, new = sum(r.seconds for r in results), sum(map(len, outs))
+            if name == "ar":
+                reference, step_s = outs, seconds / _passes(results, "target")
+            extra = {"prompt_set": prompt_set, "prompts": len(prompts), "temperature": temperature,
+                     "peer": f"transformers {transformers_version()}" if method is None else None,
+                     "prompt_lookup_tokens": PEER_LOOKUP if name == "transformers+prompt-lookup" else None}
+            if method is not None and name != "ar":
+                drafted, accepted, draft_s = (sum(r.extra.get(key, 0) for r in results)
+                                              for key in ("drafted", "accepted", "draft_seconds"))
+                passes, draft_passes = _passes(results, "target"), _passes(results, "draft")
+                extra.update(k=method.k, draft_acceptance=round(accepted / drafted, 3) if drafted else None,
+                             draft_cost_vs_ar_step=round(draft_s / draft_passes / step_s, 3)
+                             if draft_passes and step_s else None)
+            if method is not None:
+                rows_passes = sum(r.passes["target"] * len(r.tokens) for r in results)
+                extra["tokens_per_ar_pass"] = round(new / rows_passes, 3)
+            if reference is not None and not temperature:
+                extra["exact_match_vs_ar"] = round(sum(a == b for a, b in zip(outs, reference)) / len(outs), 3)
+            records.append(_record(name, prompt_set, prompts, results, batch_size=bs, dtype=dtype, extra=extra))
     return records
 
 

@@ -70,18 +70,26 @@ def transformers_llama(model: Transformer, pad_id: int):
 
 
 @torch.inference_mode()
-def transformers_generate(peer, prompts: list[list[int]], new_tokens: int, pad_id: int) -> GenerationResult:
-    """Greedy `generate` of exactly `new_tokens` per row, left-padded as diffar batches, timed the same way
-    (prompt in to last token out)."""
+def transformers_generate(peer, prompts: list[list[int]], new_tokens: int, pad_id: int, *, eos_id: int | None = None,
+                          temperature: float = 0.0, prompt_lookup: int = 0) -> GenerationResult:
+    """`generate` of `new_tokens` per row (fewer where a row reaches `eos_id`, which is not kept, as in diffar's
+    results), left-padded as diffar batches, timed the same way (prompt in to last token out). Greedy, or
+    plain sampling at `temperature` (no top-k); `prompt_lookup` > 0: its prompt-lookup decoding with that
+    many drafted tokens (batch 1 only, in transformers)."""
     device = peer.model.embed_tokens.weight.device
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, p in enumerate(prompts):
         ids[row, width - len(p):], mask[row, width - len(p):] = torch.tensor(p), 1
+    sampling = dict(do_sample=True, temperature=temperature, top_k=None, top_p=None) if temperature else \
+        dict(do_sample=False)
+    lookup = dict(prompt_lookup_num_tokens=prompt_lookup) if prompt_lookup else {}
     t0 = time.perf_counter()
-    out = peer.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
-                        do_sample=False, num_beams=1, pad_token_id=pad_id)
+    out = peer.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens, num_beams=1,
+                        pad_token_id=pad_id, eos_token_id=eos_id, **sampling, **lookup)
     seconds = time.perf_counter() - t0
     tokens = out[:, width:].tolist()
-    return GenerationResult(tokens, seconds, {"target": new_tokens}, [False] * len(prompts))
+    ended = [eos_id is not None and eos_id in row for row in tokens]
+    tokens = [row[:row.index(eos_id)] if done else row for row, done in zip(tokens, ended)]
+    return GenerationResult(tokens, seconds, {"target": new_tokens}, ended)

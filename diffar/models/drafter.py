@@ -31,6 +31,7 @@ from torch import nn
 from diffar.config import Config
 from diffar.data.batching import IGNORE_INDEX
 from diffar.errors import DiffarError
+from diffar.models.packed_linear import PackedLinear
 from diffar.models.transformer import RMSNorm, SwiGLU, Transformer, TransformerConfig, apply_rope, rope_angles
 
 PRESETS: dict[str, dict] = {
@@ -139,6 +140,7 @@ class BlockDrafter(nn.Module):
         if target.config.to_dict() != self.config.target.to_dict():
             raise DiffarError("this drafter was built for another AR model (its config differs)")
         self.__dict__["target"] = target.requires_grad_(False)
+        self.__dict__["_head"] = None  # made again from this target's output layer
 
     def _apply(self, fn, recurse=True):
         """The attached target follows the drafter's moves (`.to(device)` in the trainer; dtype in `place`)."""
@@ -167,6 +169,7 @@ class BlockDrafter(nn.Module):
             return 1.0
         top = counts.topk(self.config.draft_vocab).indices.sort().values
         self.vocab.copy_(top)
+        self.__dict__["_head"] = None
         return float(counts[top].sum() / counts.sum().clamp(min=1))
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
@@ -195,7 +198,23 @@ class BlockDrafter(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft states (..., d) -> logits over the draft vocabulary (..., len(vocab)), by the target's output layer."""
         w = self.target.lm_head.weight
-        return F.linear(h.to(w.dtype), w[self.vocab] if self.config.draft_vocab else w)
+        if not self.config.draft_vocab:
+            return self.target.lm_head(h.to(w.dtype))
+        if torch.is_grad_enabled():
+            return F.linear(h.to(w.dtype), w[self.vocab])
+        return self._draft_head()(h.to(w.dtype))
+
+    def _draft_head(self) -> nn.Module:
+        """The output layer's draft-vocabulary rows as a layer of their own, made once for inference (packed
+        for oneDNN where the target's own output layer is)."""
+        head = self.__dict__.get("_head")
+        if head is None:
+            w = self.target.lm_head.weight
+            head = nn.Linear(w.shape[1], len(self.vocab), bias=False, device=w.device, dtype=w.dtype)
+            head.weight = nn.Parameter(w[self.vocab].detach(), requires_grad=False)
+            head = PackedLinear(head) if isinstance(self.target.lm_head, PackedLinear) else head
+            self.__dict__["_head"] = head
+        return head
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced training pass over (B, T) sequences -> (draft logits at the scored slots, loss)."""
