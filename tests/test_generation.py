@@ -74,6 +74,22 @@ def test_top_k_and_top_p_filter_the_distribution():
     torch.testing.assert_close(p, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
 
 
+@pytest.mark.parametrize("temperature, top_p", [(1e-300, 1.0), (5e-324, 1.0), (1.0, 1e-300), (9.4e-288, 5e-324),
+                                                 (1e300, 1.0)])
+def test_sampling_is_safe_at_the_extremes(tiny_model, temperature, top_p):
+    """Every value SamplingConfig admits gives a distribution: a vanishing temperature or top-p samples the
+    argmax (what greedy picks), a huge temperature the uniform law; no nan, inf or crash."""
+    logits = torch.tensor([[3.0, 1.0, -2.0, 0.5], [0.0, 0.0, 0.0, 80.0]])
+    p = probabilities(logits, SamplingConfig(temperature, top_p=top_p))
+    assert torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(2))
+    if temperature < 1e-6 or top_p < 1e-6:
+        assert p.argmax(-1).tolist() == [0, 3] and (p.max(-1).values == 1).all()
+    cfg = SamplingConfig(temperature, top_p=top_p)
+    out = generate(tiny_model, PROMPTS, 6, pad_id=0, eos_id=None, sampling=cfg, generator=torch.Generator().manual_seed(0))
+    if temperature < 1e-6 or top_p < 1e-6:
+        assert out.tokens == generate(tiny_model, PROMPTS, 6, pad_id=0, eos_id=None).tokens
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1.0), "temperature"), (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"),
 ])

@@ -59,6 +59,17 @@ def test_stop_sequences(client):
     cut = client.completions.create(model="tiny", prompt="And he said", max_tokens=16, temperature=0,
                                     stop=[stop, "never-appears"]).choices[0]
     assert cut.text == full[: full.find(stop)] and cut.finish_reason == "stop"
+    longer = full[-6:]  # a plain string of any length (up to 64 characters), not only a list
+    cut = client.completions.create(model="tiny", prompt="And he said", max_tokens=16, temperature=0, stop=longer)
+    assert cut.choices[0].text == full[: full.find(longer)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_sampling_extremes_are_served(client):
+    """In-range values that once overflowed sampling (a 503 for the whole batch) now sample the argmax."""
+    greedy = client.completions.create(model="tiny", prompt="And he said", max_tokens=6, temperature=0)
+    for extreme in ({"temperature": 1e-300}, {"top_p": 1e-300}, {"temperature": 5e-324, "top_p": 9.4e-288}):
+        out = client.completions.create(model="tiny", prompt="And he said", max_tokens=6, **extreme)
+        assert out.choices[0].text == greedy.choices[0].text
 
 
 def test_batched_equals_unbatched(server):

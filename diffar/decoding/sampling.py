@@ -29,9 +29,15 @@ class SamplingConfig:
         return self.temperature == 0
 
 
+MIN_TEMPERATURE = 1e-6  # smaller temperatures sample as this one does: the argmax (ties shared), in float32
+
+
 def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """(B, V) logits -> (B, V) the distribution sampling draws from (after temperature, top-k, top-p)."""
-    logits = logits.float() / cfg.temperature
+    """(B, V) logits -> (B, V) the distribution sampling draws from (after temperature, top-k, top-p). Safe for
+    every admitted value: the logits are shifted to a maximum of 0 before the temperature (at least
+    MIN_TEMPERATURE) divides them, and top-p always keeps the likeliest token."""
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / max(cfg.temperature, MIN_TEMPERATURE)
     if cfg.top_k and cfg.top_k < logits.shape[-1]:
         kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -40,6 +46,7 @@ def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Drop a token when the tokens ranked above it already cover top_p; the top token always stays.
         drop = sorted_probs.cumsum(-1) - sorted_probs >= cfg.top_p
+        drop[..., 0] = False  # a top_p below float32's smallest number still keeps it
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -8,12 +8,12 @@ once.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 METHODS = ("ar", "dd2", "refusion")
-StopString = Annotated[str, StringConstraints(max_length=64)]
+MAX_STOP, MAX_STOP_CHARS = 4, 64  # OpenAI's: a string, or a list of up to 4
 
 
 def _check_utf8(value):
@@ -38,7 +38,7 @@ class GenerationFields(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stop: StopString | list[StopString] | None = Field(default=None, max_length=4)
+    stop: str | list[str] | None = None
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1)
     best_of: int = Field(default=1, ge=1, le=16)  # DD2: samples per request, of which one is kept
@@ -54,6 +54,16 @@ class GenerationFields(BaseModel):
     tau_min: float | None = Field(default=None, ge=0.0)
     # Human-in-the-loop: output position -> a token id to keep, or text to put there (it may span tokens)
     fixed_tokens: dict[int, int | str] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value):
+        """One check for both shapes, so an error names `stop` whichever shape was sent."""
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop is a string or a list of at most {MAX_STOP}, each at most {MAX_STOP_CHARS} "
+                             "characters")
+        return value
 
     @model_validator(mode="after")
     def _utf8(self):
