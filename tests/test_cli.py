@@ -2,10 +2,12 @@
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
-from tests.conftest import TINY_TRAIN, assert_clean_error, run_cli
+from tests.conftest import ROOT, TINY_TRAIN, assert_clean_error, run_cli
 
 
 def test_help_everywhere():
@@ -91,6 +93,42 @@ def test_empty_prompt(tiny_run):
 def test_prompt_longer_than_context(tiny_run):
     proc = run_cli("generate", "--checkpoint", tiny_run, "--prompt", "word " * 400)
     assert_clean_error(proc, "leaves this model no room to write")
+
+
+def test_stdin_that_is_not_utf8(tiny_run):
+    proc = subprocess.run([sys.executable, "-m", "diffar.cli", "generate", "--checkpoint", str(tiny_run)],
+                          input=b"And God said \xff\xfe", capture_output=True, cwd=ROOT)
+    assert_clean_error(subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(),
+                                                   proc.stderr.decode()), "not UTF-8")
+
+
+@pytest.mark.parametrize("args, message", [
+    (("serve", "--port", "-1"), "--port: must be in 1..65535"),
+    (("serve", "--port", "99999"), "--port: must be in 1..65535"),
+    (("serve", "--batch-window-ms", "1e12"), "--batch-window-ms: must be a number in [0, 10000]"),
+    (("serve", "--batch-window-ms", "nan"), "--batch-window-ms"),
+    (("serve", "--batch-window-ms", "-5"), "--batch-window-ms"),
+    (("serve", "--log-level", "bogus"), "--log-level"),
+    (("generate", "--seed", str(2 ** 70)), "--seed: must be in 0.."),
+])
+def test_bad_flag_values(tiny_run, args, message):
+    assert_clean_error(run_cli(*args, "--checkpoint", tiny_run), message)
+
+
+def test_training_seed_out_of_range(tmp_path):
+    proc = run_cli("train", "ar", "--corpus", "kjv2web", *TINY_TRAIN, "--seed", str(2 ** 70), "--out", tmp_path)
+    assert_clean_error(proc, "--seed: must be in 0..")
+
+
+def test_resume_from_a_corrupt_train_state(tiny_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    ckpt = run / (run / "latest").read_text().strip()
+    (ckpt / "train_state.pt").write_bytes(b"\x80\x04garbage")
+    meta = json.loads((ckpt / "config.json").read_text())
+    proc = run_cli("train", "ar", "--corpus", "kjv2web", *TINY_TRAIN, "--tokenizer", ckpt / "tokenizer.json",
+                   "--max-steps", "20", "--block-size", str(meta["block_size"]), "--out", run)
+    assert_clean_error(proc, "train_state.pt are unreadable")
 
 
 @pytest.mark.parametrize("n", ["0", "-5"])

@@ -29,6 +29,35 @@ def positive_int(text: str) -> int:
     return value
 
 
+def int_in(lo: int, hi: int):
+    """An argparse type: an integer in [lo, hi]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}, got {value}")
+        return value
+    return parse
+
+
+def float_in(lo: float, hi: float):
+    """An argparse type: a finite number in [lo, hi]."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+        if not lo <= value <= hi:  # also rejects nan
+            raise argparse.ArgumentTypeError(f"must be a number in [{lo:g}, {hi:g}], got {text}")
+        return value
+    return parse
+
+
+SEEDS = int_in(0, 2**63 - 1)  # what torch.Generator.manual_seed takes
+
+
 def _parent() -> argparse.ArgumentParser:
     return argparse.ArgumentParser(add_help=False)
 
@@ -66,7 +95,7 @@ def sampling() -> argparse.ArgumentParser:
 def seed() -> argparse.ArgumentParser:
     """The seed of a sampling command (training's --seed is a TrainConfig field)."""
     p = _parent()
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=SEEDS, default=0)
     return p
 
 
@@ -86,7 +115,8 @@ def training() -> argparse.ArgumentParser:
     run.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl)")
     run.add_argument("--threads", type=positive_int, help="torch CPU threads")
     for f in fields(TrainConfig):
-        run.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+        run.add_argument(f"--{f.name.replace('_', '-')}", type=SEEDS if f.name == "seed" else type(f.default),
+                         default=f.default,
                          help=f"(default {f.default})")
     return p
 

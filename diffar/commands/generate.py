@@ -125,7 +125,9 @@ def run(args) -> None:
     from diffar.decoding.refusion import DraftSchedule
     from diffar.generation import load_method, resolve_method
 
-    text = args.prompt if args.prompt is not None else sys.stdin.read()
+    text = args.prompt if args.prompt is not None else read_stdin()
+    if any("\ud800" <= c <= "\udfff" for c in text):
+        raise DiffarError("--prompt is not valid UTF-8 text (the shell passed undecodable bytes)")
     if not text.strip():
         raise DiffarError("empty prompt: pass --prompt TEXT or text on stdin")
     if args.max_new_tokens <= 0:
@@ -153,3 +155,11 @@ def run(args) -> None:
     _, result = stream_answer(method, ids, args.max_new_tokens, settings,
                               torch.Generator().manual_seed(args.seed))
     print(speed_line(method, result, settings, len(ids), args.dtype), file=sys.stderr)
+
+
+def read_stdin() -> str:
+    """Standard input as text: UTF-8, or a one-line error (not a tokenizer traceback)."""
+    try:
+        return sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DiffarError(f"standard input is not UTF-8 text (byte {e.start}: {e.reason})") from None

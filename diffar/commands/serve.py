@@ -16,14 +16,15 @@ def register(subparsers) -> None:
                          "stream as ar)")
     sv.add_argument("--model-id", help="the model name clients use (default: the checkpoint folder's name)")
     sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--port", type=flags.int_in(1, 65535), default=8000)
     sv.add_argument("--max-batch-size", type=flags.positive_int, default=16)
-    sv.add_argument("--batch-window-ms", type=float, default=10.0, help="how long a batch waits to fill")
+    sv.add_argument("--batch-window-ms", type=flags.float_in(0, 10_000), default=10.0,
+                    help="how long a batch waits to fill (0..10000 ms)")
     sv.add_argument("--max-queue", type=flags.positive_int, default=4096, help="waiting requests before 429")
     sv.add_argument("--judge", metavar="AR_CHECKPOINT",
                     help="dd2: the AR model that picks among a request's best_of samples (without it, the "
                          "decoder's own confidence picks)")
-    sv.add_argument("--log-level", default="warning")
+    sv.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug", "trace"))
     sv.set_defaults(func=run)
 
 

@@ -13,8 +13,10 @@ import contextlib
 import json
 import math
 import os
+import pickle
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -76,6 +78,7 @@ class TrainConfig(Config):
             (0 <= self.beta2 < 1, "beta2", "must be in [0, 1)"),
             (math.isfinite(self.grad_clip) and self.grad_clip > 0, "grad_clip", "must be positive"),
             (self.precision in ("fp32", "bf16"), "precision", "must be fp32 or bf16"),
+            (0 <= self.seed < 2**63, "seed", "must be in 0..2**63 - 1"),
         ]
         return [(ok, f"{name} {rule}, got {getattr(self, name)}") for ok, name, rule in rules]
 
@@ -156,11 +159,14 @@ class Trainer:
                               f"choose another --out")
         try:
             load_model(self.model, str(folder / "model.safetensors"), device=str(self.device))
-            state = torch.load(folder / "train_state.pt", weights_only=True, map_location=self.device)
-        except (OSError, SafetensorError, RuntimeError, ValueError) as e:
+            with warnings.catch_warnings():  # a corrupt file's unpickler warnings: the error below says it all
+                warnings.simplefilter("ignore")
+                state = torch.load(folder / "train_state.pt", weights_only=True, map_location=self.device)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step, self.last_metrics = int(state["step"]), state.get("last_metrics", {})
+        except (OSError, SafetensorError, RuntimeError, ValueError, EOFError, KeyError, TypeError,
+                pickle.UnpicklingError) as e:
             raise DiffarError(f"cannot resume from {folder}: its weights or train_state.pt are unreadable") from e
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step, self.last_metrics = state["step"], state.get("last_metrics", {})
         if self.rank == 0 and self.metrics_path.exists():  # keep only log lines up to the checkpoint
             kept = []
             for line in self.metrics_path.read_text().splitlines():
