@@ -156,6 +156,31 @@ def test_disconnect_mid_stream_cancels_generation(server):
     assert httpx.get(server + "/health").json()["status"] == "ok"
 
 
+def test_disconnect_while_waiting_cancels_generation(server):
+    """A non-streaming client that gives up is cancelled at the engine's next step, not generated for."""
+    before = metric(server, "diffar_cancelled_total")
+    tokens_before = metric(server, "diffar_generated_tokens_total")
+    body = {"prompt": "And", "max_tokens": 300, "temperature": 0, "fixed_tokens": {"299": 5}}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server + "/v1/completions", json=body, timeout=0.3)
+    deadline = time.time() + 30
+    while metric(server, "diffar_cancelled_total") == before and time.time() < deadline:
+        time.sleep(0.1)
+    assert metric(server, "diffar_cancelled_total") == before + 1
+    assert metric(server, "diffar_generated_tokens_total") - tokens_before < 300
+
+
+def test_oversized_body_is_refused_unread(server):
+    big = b'{"prompt": "' + b"a" * (2 << 20) + b'"}'
+    t0 = time.perf_counter()
+    r = httpx.post(server + "/v1/completions", content=big, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert time.perf_counter() - t0 < 5
+    chunked = httpx.post(server + "/v1/completions", content=iter([b'{"prompt": "x"}']), timeout=30)
+    assert chunked.status_code == 411
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+
+
 def test_streamed_text_never_shows_a_stop_string(client):
     full = client.completions.create(model="tiny", prompt="And he said", max_tokens=16, temperature=0).choices[0].text
     stop = full[-3:]

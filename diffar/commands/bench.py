@@ -107,7 +107,7 @@ def run_refusion(args) -> None:
 
     records = bench_prompt_set(args.checkpoint, args.set, args.prompts, args.new_tokens, args.batch_sizes,
                                args.methods, draft=args.draft if "ar+draft" in args.methods else None, k=args.k,
-                               temperature=args.temperature, dtype=args.dtype, seed=args.seed)
+                               temperature=args.temperature, dtype=args.dtype, seed=args.seed, data=args.corpus)
     print_table(records)
     write_records(records, args.out)
 

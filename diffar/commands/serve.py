@@ -21,6 +21,8 @@ def register(subparsers) -> None:
     sv.add_argument("--batch-window-ms", type=flags.float_in(0, 10_000), default=10.0,
                     help="how long a batch waits to fill (0..10000 ms)")
     sv.add_argument("--max-queue", type=flags.positive_int, default=4096, help="waiting requests before 429")
+    sv.add_argument("--max-body-bytes", type=flags.positive_int, default=1 << 20,
+                    help="larger request bodies get a 413 before they are read (default 1 MiB)")
     sv.add_argument("--judge", metavar="AR_CHECKPOINT",
                     help="dd2: the AR model that picks among a request's best_of samples (without it, the "
                          "decoder's own confidence picks)")
@@ -36,5 +38,5 @@ def run(args) -> None:
 
     method = load_method(args.checkpoint, args.method, dtype=args.dtype, device=args.device, judge=args.judge)
     app = create_app(method, args.model_id or Path(args.checkpoint).resolve().name, max_batch_size=args.max_batch_size,
-                     window_ms=args.batch_window_ms, max_queue=args.max_queue)
+                     window_ms=args.batch_window_ms, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, backlog=4096)

@@ -226,7 +226,7 @@ PEER_LOOKUP = 10  # transformers+prompt-lookup's drafted tokens (its documented 
 
 def bench_prompt_set(checkpoint: str, prompt_set: str, n_prompts: int, new_tokens: int, batch_sizes: list[int],
                      methods: list[str], *, draft: str | None = None, k: int = 8, temperature: float = 0.0,
-                     dtype: str = "bf16", seed: int = 0) -> list[BenchRecord]:
+                     dtype: str = "bf16", seed: int = 0, data: str | None = None) -> list[BenchRecord]:
     """The lossless methods on a pretrained chat model's prompt sets (data/prompts.py: code = HumanEval, chat,
     shakespeare), against the peers its users run on the same weights in the same run: transformers' `generate`
     and its prompt lookup (batch 1 only, as transformers allows). Chat and code stop at eos (at most
@@ -234,7 +234,8 @@ def bench_prompt_set(checkpoint: str, prompt_set: str, n_prompts: int, new_token
 
     Records: tokens/s, tokens per AR pass (tau, the bonus token included), draft acceptance, the drafter's cost
     per pass relative to a plain AR step at the same batch size, and (greedy) the share of rows equal to
-    diffar AR's."""
+    diffar AR's. `data`: the `distill data` file whose held-out chat prompts join the chat set (default: a
+    drafter's training corpus)."""
     model, tokenizer, meta = load_for_inference(checkpoint, dtype=dtype)
     ar = ar_stream(model)
     if any(m.startswith("refusion") for m in methods) and meta["kind"] not in ("refusion", "drafter"):
@@ -245,7 +246,8 @@ def bench_prompt_set(checkpoint: str, prompt_set: str, n_prompts: int, new_token
     if unknown:
         raise DiffarError(f"unknown method(s) {', '.join(sorted(unknown))}; choose from "
                           f"{', '.join([*builders, *PEER_METHODS])}")
-    prompts = prompt_set_ids(prompt_set, tokenizer, n_prompts, meta["corpus"] if meta["kind"] == "drafter" else None)
+    prompts = prompt_set_ids(prompt_set, tokenizer, n_prompts, data or (meta["corpus"] if meta["kind"] == "drafter"
+                                                                          else None))
     to_eos = prompt_set != "shakespeare"
     eos_id = tokenizer.eos_id if to_eos else None
     settings = SamplingConfig(temperature=temperature)

@@ -24,9 +24,9 @@ class ARMethod:
     options = frozenset({"temperature", "top_k", "top_p"})
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, task: str, *, proposer: Proposer | None = None,
-                 k: int = 8, use_cache: bool = True):
+                 k: int = 8, use_cache: bool = True, adaptive: bool = False):
         self.model, self.tokenizer, self.task = model, tokenizer, task
-        self.proposer, self.k, self.use_cache = proposer, k, use_cache
+        self.proposer, self.k, self.use_cache, self.adaptive = proposer, k, use_cache, adaptive
         self.drafter = proposer and proposer.name  # what drafts, for the speed line
         self.label = "ar" if proposer is None else f"ar+{proposer.name}"
 
@@ -50,7 +50,8 @@ class ARMethod:
                       sampling=settings, generator=generator, on_token=within_budgets(budgets, on_token), fixed=fixed)
         if self.proposer is None:
             return generate(self.model, prompts, max(budgets), use_cache=self.use_cache, **decode)
-        return speculative_generate(self.model, self.proposer, prompts, max(budgets), k=self.k, **decode)
+        return speculative_generate(self.model, self.proposer, prompts, max(budgets), k=self.k, adaptive=self.adaptive,
+                                    **decode)
 
     def describe(self, result: GenerationResult, settings) -> tuple[str, str]:
         """(label, account of the passes) of a one-row result, for the speed line."""
@@ -78,7 +79,8 @@ class RefusionMethod(ARMethod):
                                           "schedule and plan-and-infill apply to the embedding drafter only")
         super().__init__(model.target if block else model.ar, tokenizer, task,
                          proposer=BlockProposer(model, schedule.tree) if block else None,
-                         k=min(k or model.config.block - 1, model.config.block - 1) if block else 8)
+                         k=min(k or model.config.block - 1, model.config.block - 1) if block else 8,
+                         adaptive=True)  # verify about 1.5x what recent blocks kept, as ReFusion's decoder
         self.refusion, self.schedule, self.drafter = model, schedule, "drafter" if block else "diffusion"
         if not block:
             self.k = k

@@ -26,7 +26,7 @@ from diffar.serving.protocol import ChatCompletionRequest, CompletionRequest, er
 from diffar.serving.requests import APIError, build_request, choice, is_chat_model, summary
 
 STATIC = Path(__file__).resolve().parent / "static"
-DISCONNECT_POLL_S = 5.0  # how often a waiting non-streaming request checks that its client is still there
+MAX_BODY_BYTES = 1 << 20  # default request body limit: 1 MiB holds any prompt a diffar model reads, many times over
 
 
 class CancellingStream(StreamingResponse):
@@ -45,9 +45,10 @@ class CancellingStream(StreamingResponse):
 
 
 def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int = 16, window_ms: float = 10.0,
-               max_queue: int = 4096) -> FastAPI:
+               max_queue: int = 4096, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The server's routes over one engine running `method`. They are closures over the engine and the
-    metrics, hence one function (~140 lines) of short routes; what a body means is serving/requests.py's."""
+    metrics, hence one function (~150 lines) of short routes; what a body means is serving/requests.py's.
+    A body larger than `max_body_bytes` (by its Content-Length, before a byte of it is read) gets a 413."""
     metrics = Metrics()
     engine = Engine(method, method.tokenizer, max_batch_size=max_batch_size, window_ms=window_ms,
                     max_queue=max_queue, on_batch=metrics.observe_batch)
@@ -85,7 +86,7 @@ def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int =
     @app.middleware("http")
     async def count(request: HTTPRequest, call_next):
         t0 = time.perf_counter()
-        response = await call_next(request)
+        response = too_large(request) or await call_next(request)
         path = request.url.path if request.url.path in KNOWN_PATHS else "other"
         metrics.requests.labels(path, str(response.status_code)).inc()
         if response.status_code >= 400:
@@ -93,21 +94,40 @@ def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int =
         metrics.latency.labels(path).observe(time.perf_counter() - t0)
         return response
 
+    def too_large(request: HTTPRequest) -> JSONResponse | None:
+        """A 413 for a body over the limit, or a 411 for a body of unstated length; None: go on."""
+        if request.method != "POST":
+            return None
+        length = request.headers.get("content-length")
+        if length is None or not length.isdigit():
+            return JSONResponse(error_body("a request body needs a Content-Length header", "invalid_request_error",
+                                           "length_required"), 411)
+        if int(length) > max_body_bytes:
+            return JSONResponse(error_body(f"request body of {length} bytes exceeds this server's limit of "
+                                           f"{max_body_bytes} (diffar serve --max-body-bytes)",
+                                           "invalid_request_error", "request_too_large"), 413)
+        return None
+
+    async def watch(req: Request, http: HTTPRequest) -> None:
+        """Cancel `req` as soon as its client disconnects: once the body is read, the server's next message
+        for this connection is the disconnect. The engine drops a cancelled row at its next batch step."""
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        req.cancelled.set()
+
     async def events(req: Request, http: HTTPRequest | None = None) -> AsyncIterator[Event]:
         """The request's events until its final one. A consumer that stops early, or (when `http` is
         given) a client that disconnects, cancels the request and frees its batch row."""
+        watcher = asyncio.create_task(watch(req, http)) if http is not None else None
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(req.events.get(), timeout=DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if http is not None and await http.is_disconnected():
-                        return
-                    continue
+                event = await req.events.get()
                 yield event
                 if event.finish_reason is not None:
                     return
         finally:
+            if watcher is not None:
+                watcher.cancel()
             req.cancelled.set()
             metrics.generation.observe(time.perf_counter() - req.submitted)
 
@@ -123,7 +143,8 @@ def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int =
         metrics.queued.set(engine.queued())
 
     async def respond(body, chat: bool, http: HTTPRequest):
-        req = build_request(body, method, model_id)
+        # tokenising (a chat template, a long prompt) is CPU work: off the event loop, which serves everyone
+        req = await asyncio.to_thread(build_request, body, method, model_id)
         submit(req)
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         obj = "chat.completion" if chat else "text_completion"
