@@ -112,7 +112,7 @@ def test_cli_bad_input(tiny_dd2, tiny_vqvae, tiny_run, tokenizer_path, tmp_path)
                        "pass --vqvae")
     assert_clean_error(run_cli("distill", "dd2", "--teacher", tiny_dd2 / "x0", "--init", tiny_dd2 / "eps",
                                "--corpus", "kjv2web", "--out", tmp_path / "z", *TINY_TRAIN),
-                       "; it must be an AR or ReFusion one")
+                       "; it must be an AR, ReFusion or drafter one")
     # an --init model keeps its schedule, its prediction and its task
     assert_clean_error(run_cli("train", "dd2", "--init", tiny_dd2 / "eps", "--schedule", "linear", "--corpus",
                                "kjv2web", "--out", tmp_path / "s", *TINY_TRAIN), "--schedule cannot change it")
@@ -178,7 +178,7 @@ def test_cli_source_encoder(tiny_vqvae, tiny_run, tiny_shakespeare_run, tiny_dd2
     assert more.returncode == 0, more.stderr
     assert same_weights(load_checkpoint(tmp_path / "more")[0].source_encoder, teacher)
     assert_clean_error(run_cli(*args, "--vqvae", tiny_vqvae, "--source-encoder", tiny_vqvae, "--out", tmp_path / "a"),
-                       "; it must be an AR or ReFusion one")
+                       "; it must be an AR, ReFusion or drafter one")
     other, tokenizer, meta = load_checkpoint(tiny_run)  # the teacher with other weights
     with torch.no_grad():
         other.lm_head.weight.add_(1.0)
