@@ -181,6 +181,13 @@ def test_oversized_body_is_refused_unread(server):
     assert httpx.get(server + "/health").json()["status"] == "ok"
 
 
+def test_foreign_host_header_and_docs_are_refused(server):
+    """A page on another site that rebinds its name to 127.0.0.1 sends its own Host: refused (DNS rebinding)."""
+    assert httpx.post(server + "/v1/completions", json={"prompt": "x"}, headers={"host": "evil.example"}).status_code == 400
+    assert httpx.get(server + "/docs").status_code == 404  # off unless --docs
+    assert httpx.get(server + "/health", headers={"host": "localhost"}).status_code == 200
+
+
 def test_streamed_text_never_shows_a_stop_string(client):
     full = client.completions.create(model="tiny", prompt="And he said", max_tokens=16, temperature=0).choices[0].text
     stop = full[-3:]

@@ -19,27 +19,21 @@ DTYPE_HELP = ("weights and activations at inference; bf16 is faster on CPUs with
               "int8 weights in the linear layers, bf16 activations (CPU only)")
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
-def int_in(lo: int, hi: int):
-    """An argparse type: an integer in [lo, hi]."""
+def int_in(lo: int, hi: int | None = None):
+    """An argparse type: an integer in [lo, hi] (no upper bound: hi None)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}, got {value}")
+        if value < lo or (hi is not None and value > hi):
+            bounds = f"in {lo}..{hi}" if hi is not None else "positive" if lo == 1 else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
         return value
     return parse
+
+
+positive_int = int_in(1)
 
 
 def float_in(lo: float, hi: float):

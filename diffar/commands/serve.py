@@ -26,6 +26,10 @@ def register(subparsers) -> None:
     sv.add_argument("--judge", metavar="AR_CHECKPOINT",
                     help="dd2: the AR model that picks among a request's best_of samples (without it, the "
                          "decoder's own confidence picks)")
+    sv.add_argument("--allowed-host", action="append", dest="allowed_hosts", metavar="HOST",
+                    help="a Host header the server answers (repeatable; default: --host, localhost and 127.0.0.1; "
+                         "'*' for any)")
+    sv.add_argument("--docs", action="store_true", help="serve the interactive API docs at /docs")
     sv.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug", "trace"))
     sv.set_defaults(func=run)
 
@@ -38,5 +42,6 @@ def run(args) -> None:
 
     method = load_method(args.checkpoint, args.method, dtype=args.dtype, device=args.device, judge=args.judge)
     app = create_app(method, args.model_id or Path(args.checkpoint).resolve().name, max_batch_size=args.max_batch_size,
-                     window_ms=args.batch_window_ms, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
+                     window_ms=args.batch_window_ms, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                     allowed_hosts=args.allowed_hosts or [args.host, "localhost", "127.0.0.1"], docs=args.docs)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, backlog=4096)

@@ -59,7 +59,7 @@ class DecodeState:
     prompt_lengths: list[int]
     max_new_tokens: int
     valid: torch.Tensor  # (B, slots) bool
-    hidden: torch.Tensor | None  # (B, slots, width) the target's states a drafter reads (`keep`), or None
+    hidden: torch.Tensor | None  # (B, slots, width) the target states a drafter reads (see `run`), or None
     write: int  # the next free slot
     done: list[bool]  # rows that are over (eos or budget): their seqs and slots no longer change
     compactions: int = 0  # slot contents move at each: caches keyed by slot must be rebuilt

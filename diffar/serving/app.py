@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from diffar.generation import GenerationMethod
 from diffar.serving.engine import Engine, EngineDown, Event, QueueFull, Request
@@ -45,10 +46,13 @@ class CancellingStream(StreamingResponse):
 
 
 def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int = 16, window_ms: float = 10.0,
-               max_queue: int = 4096, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_queue: int = 4096, max_body_bytes: int = MAX_BODY_BYTES, allowed_hosts: list[str] | None = None,
+               docs: bool = False) -> FastAPI:
     """The server's routes over one engine running `method`. They are closures over the engine and the
     metrics, hence one function (~150 lines) of short routes; what a body means is serving/requests.py's.
-    A body larger than `max_body_bytes` (by its Content-Length, before a byte of it is read) gets a 413."""
+    A body larger than `max_body_bytes` (by its Content-Length, before a byte of it is read) gets a 413; a
+    `Host` header outside `allowed_hosts` (None: any) a 400, so a web page elsewhere cannot drive a local server
+    through DNS rebinding; the interactive /docs exist only with `docs`."""
     metrics = Metrics()
     engine = Engine(method, method.tokenizer, max_batch_size=max_batch_size, window_ms=window_ms,
                     max_queue=max_queue, on_batch=metrics.observe_batch)
@@ -59,7 +63,10 @@ def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int =
         yield
         engine.stop()
 
-    app = FastAPI(title="diffar", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="diffar", version="0.1.0", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url=None)
+    if allowed_hosts is not None:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)
 
     @app.exception_handler(APIError)
     async def api_error(_, exc: APIError):
