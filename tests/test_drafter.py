@@ -117,6 +117,21 @@ def test_training_lowers_the_loss():
     assert drafter.target.tok_emb.weight.grad is None  # the target stays frozen
 
 
+def test_training_through_a_packed_bf16_target():
+    """Training in bf16 on the CPU runs the frozen target with oneDNN-packed linears, its output layer included;
+    the drafter's gradient must still flow through that output layer (the whole vocabulary or a draft one)."""
+    from diffar.models.precision import place
+
+    for draft_vocab in (0, 64):
+        target = place(random_model(0), "bf16")
+        drafter = drafter_for(target, block=4, draft_vocab=draft_vocab).train()
+        tokens = torch.tensor([PROMPTS[2] * 2])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = drafter(tokens, tokens.roll(-1, 1))
+        loss.backward()
+        assert drafter.mask_emb.grad is not None and drafter.mask_emb.grad.abs().sum() > 0
+
+
 def test_config_checks():
     cfg = random_model(0).config
     assert spread_layers(30) == (1, 14, 26) and spread_layers(2) == (1,)

@@ -4,16 +4,16 @@ drafter (`diffar train refusion --drafter block --corpus FILE`)."""
 
 from __future__ import annotations
 
-import torch
-
 from pathlib import Path
+
+import torch
 
 from diffar.checkpoint import load_for_inference
 from diffar.commands import flags
 from diffar.data.prompts import SOURCES
+from diffar.errors import DiffarError
 from diffar.models.dd2 import PRESETS as DD2_PRESETS
 from diffar.models.precision import PRECISIONS
-from diffar.errors import DiffarError
 from diffar.training import setup
 from diffar.training.self_data import self_data
 

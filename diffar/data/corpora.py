@@ -75,8 +75,8 @@ def _pairs(records: list[dict], path: Path) -> list[Pair]:
 
 def _sequences(records: list[dict], path: Path) -> Corpus:
     """Token records (`diffar distill data`) -> a continuation corpus of (prompt, response) id sequences; a
-    response that ended gets the model's end-of-sequence id, which its record names by tokenizer tag only, so
-    the ids come back as written and `build_dataset` appends nothing."""
+    response that ended gets its record's `eos_id` appended here, so `build_dataset` appends nothing. All
+    records must carry one tokenizer tag, which `build_dataset` checks against the model's."""
     sequences, tags = [], set()
     for i, r in enumerate(records, 1):
         ids = [r.get("prompt_ids"), r.get("response_ids")] if isinstance(r, dict) else [None]

@@ -103,12 +103,9 @@ def shakespeare_windows(tokenizer: Tokenizer, split: str, limit: int) -> list[li
 def heldout_chat(tokenizer: Tokenizer, data: str, limit: int) -> list[list[int]]:
     """Up to `limit` self-written chat prompts of a `distill data` file's valid split (never trained on): those
     that open with the chat template and are not code requests."""
-    prefix, code = chat_prefix(tokenizer), tokenizer.encode(CODE_REQUEST.split("\n")[0])
-    prompts = []
-    for prompt, _ in load_corpus(data, "valid").sequences:
-        body = prompt[len(prefix):len(prefix) + len(code) + 8]
-        if prompt[:len(prefix)] == prefix and not any(body[i:i + len(code)] == code for i in range(8)):
-            prompts.append(prompt)
+    prefix, code = chat_prefix(tokenizer), CODE_REQUEST.split("\n")[0]
+    prompts = [prompt for prompt, _ in load_corpus(data, "valid").sequences if prompt[:len(prefix)] == prefix
+               and not tokenizer.decode(prompt[len(prefix):]).lstrip().startswith(code)]
     return prompts[:limit]
 
 

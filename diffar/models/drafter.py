@@ -32,7 +32,7 @@ from diffar.config import Config
 from diffar.data.batching import IGNORE_INDEX
 from diffar.errors import DiffarError
 from diffar.models.packed_linear import PackedLinear
-from diffar.models.transformer import RMSNorm, SwiGLU, Transformer, TransformerConfig, apply_rope, rope_angles
+from diffar.models.transformer import Block, RMSNorm, Transformer, TransformerConfig, apply_rope, rope_angles
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(n_layer=1, block=4, anchors=4),  # tests
@@ -105,17 +105,6 @@ class ContextAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(N, L, -1))
 
 
-class DraftBlock(nn.Module):
-    def __init__(self, cfg: TransformerConfig):
-        super().__init__()
-        self.attn_norm, self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps), RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn, self.ffn = ContextAttention(cfg), SwiGLU(cfg)
-
-    def forward(self, x, cos, sin, context, mask):
-        x = x + self.attn(self.attn_norm(x), cos, sin, context, mask)
-        return x + self.ffn(self.ffn_norm(x))
-
-
 class BlockDrafter(nn.Module):
     loss_is_nll = False  # a weighted sum over slots: no perplexity
 
@@ -125,7 +114,7 @@ class BlockDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.feature_layers) * t.d_model, t.d_model, bias=False)
         self.context_norm = RMSNorm(t.d_model, t.norm_eps)
         self.mask_emb = nn.Parameter(torch.randn(t.d_model) * 0.02)
-        self.blocks = nn.ModuleList(DraftBlock(t) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(t, ContextAttention) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(t.d_model, t.norm_eps)
         # the output rows it may draft (FR-Spec); set from the training data by `set_vocab`
         self.register_buffer("vocab", torch.arange(cfg.draft_vocab or t.vocab_size))
@@ -198,15 +187,15 @@ class BlockDrafter(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft states (..., d) -> logits over the draft vocabulary (..., len(vocab)), by the target's output layer."""
         w = self.target.lm_head.weight
-        if not self.config.draft_vocab:
-            return self.target.lm_head(h.to(w.dtype))
-        if torch.is_grad_enabled():
-            return F.linear(h.to(w.dtype), w[self.vocab])
+        if torch.is_grad_enabled():  # training: a plain product the gradient flows through (a packed one has none)
+            return F.linear(h.to(w.dtype), w[self.vocab] if self.config.draft_vocab else w)
         return self._draft_head()(h.to(w.dtype))
 
     def _draft_head(self) -> nn.Module:
-        """The output layer's draft-vocabulary rows as a layer of their own, made once for inference (packed
-        for oneDNN where the target's own output layer is)."""
+        """The target's output layer, or its draft-vocabulary rows as a layer of their own, made once for
+        inference (packed for oneDNN where the target's own output layer is)."""
+        if not self.config.draft_vocab:
+            return self.target.lm_head
         head = self.__dict__.get("_head")
         if head is None:
             w = self.target.lm_head.weight

@@ -138,13 +138,16 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: TransformerConfig):
+    """Pre-norm attention + SwiGLU. `attention`: the attention module's class (a block drafter's reads a context
+    too, models/drafter.py); whatever follows `sin` in `forward` is that module's."""
+
+    def __init__(self, cfg: TransformerConfig, attention: type[nn.Module] = Attention):
         super().__init__()
         self.attn_norm, self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps), RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn, self.ffn = Attention(cfg), SwiGLU(cfg)
+        self.attn, self.ffn = attention(cfg), SwiGLU(cfg)
 
-    def forward(self, x, cos, sin, attn_mask, cache_start):
-        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, cache_start)
+    def forward(self, x, cos, sin, *attention_args):
+        x = x + self.attn(self.attn_norm(x), cos, sin, *attention_args)
         return x + self.ffn(self.ffn_norm(x))
 
 

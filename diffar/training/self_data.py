@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from diffar.data.prompts import (chat_prefix, chat_prompt, code_prompt, shakespeare_windows, stdlib_functions)
+from diffar.data.prompts import chat_prefix, chat_prompt, code_prompt, shakespeare_windows, stdlib_functions
 from diffar.decoding.ar import generate
 from diffar.decoding.sampling import SamplingConfig
 from diffar.errors import DiffarError
@@ -30,11 +30,10 @@ INSTRUCTION_TOKENS = 96  # the longest self-written instruction
 INSTRUCTION_SAMPLING = SamplingConfig(temperature=1.0, top_p=0.95)  # varied, as Magpie samples its queries
 
 
-def _read(out: Path, source: str, tag: str) -> dict[int, dict]:
+def _read(text: str, out: Path, source: str, tag: str) -> dict[int, dict]:
+    """The records of `source` already in `out` (its `text`), by index."""
     done: dict[int, dict] = {}
-    if not out.exists():
-        return done
-    for line in out.read_text(encoding="utf-8").splitlines():
+    for line in text.splitlines():
         try:
             record = json.loads(line)
             i = int(record["i"])
@@ -64,11 +63,11 @@ def self_data(model: Transformer, tokenizer: Tokenizer, source: str, examples: i
               max_new_tokens: int = 256, batch_size: int = 8, seed: int = 0) -> int:
     """Make (or finish making) `examples` records of `source` in `out`; returns how many were made now."""
     tag = tokenizer.sha256[:16]  # what `build_dataset` checks the ids against
-    done = _read(out, source, tag)
+    text = out.read_text(encoding="utf-8") if out.exists() else ""
+    done = _read(text, out, source, tag)
     todo = [i for i in range(examples) if i not in done]
     fixed = None if source == "chat" else _fixed_prompts(source, tokenizer, examples)
     prefix = chat_prefix(tokenizer) if source == "chat" else None
-    text = out.read_text(encoding="utf-8") if out.exists() else ""
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a", encoding="utf-8") as f, tqdm(total=examples, initial=examples - len(todo), desc=source,
                                                      dynamic_ncols=True) as bar:
