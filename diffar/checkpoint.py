@@ -129,9 +129,18 @@ def load_checkpoint(path: str | Path, tokenizer_path: str | Path | None = None
     meta = read_meta(path)
     config_cls, model_cls = MODEL_KINDS[meta["kind"]]
     try:
-        model = model_cls(config_cls.from_dict(meta["model"]))
+        config = config_cls.from_dict(meta["model"])
+        with torch.device("meta"):  # count the weights before allocating any: a config may ask for terabytes
+            n_params = sum(p.numel() for p in model_cls(config).parameters())
+        stored = (path / "model.safetensors").stat().st_size
     except (TypeError, ValueError) as e:
         raise DiffarError(f"corrupt checkpoint {path}: bad model config ({e})") from e
+    except OSError as e:
+        raise DiffarError(f"corrupt checkpoint {path}: model.safetensors cannot be read") from e
+    if 2 * n_params > stored:  # at least 2 bytes a weight (bf16/fp16)
+        raise DiffarError(f"corrupt checkpoint {path}: weights do not match config.json (it describes {n_params:,} "
+                          f"weights, model.safetensors holds {stored:,} bytes)")
+    model = model_cls(config)
     if meta.get("lora"):  # a LoRA fine-tuning run: frozen weights + adapters, merged once loaded
         model = add_lora(model, **meta["lora"])
     try:

@@ -61,7 +61,11 @@ def test_missing_and_corrupt_checkpoints(tiny_model, tokenizer, tmp_path):
     with pytest.raises(DiffarError, match="no checkpoint"):
         load_checkpoint(tmp_path / "nothing")
     write_checkpoint(tmp_path / "c", tiny_model, _meta(tiny_model), tokenizer)
+    weights = (tmp_path / "c" / "model.safetensors").read_bytes()
     (tmp_path / "c" / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(DiffarError, match="corrupt checkpoint .*model.safetensors holds 64 bytes"):
+        load_checkpoint(tmp_path / "c")
+    (tmp_path / "c" / "model.safetensors").write_bytes(b"\x00" * len(weights))
     with pytest.raises(DiffarError, match="model.safetensors cannot be read"):
         load_checkpoint(tmp_path / "c")
     (tmp_path / "c" / "config.json").write_text("{")
@@ -76,6 +80,21 @@ def test_weights_of_another_shape_are_rejected(tiny_model, tokenizer, tmp_path):
     write_checkpoint(tmp_path / "c", tiny_model, {**_meta(tiny_model), "model": {**tiny_model.config.to_dict(),
                                                                                   "n_layer": 3}}, tokenizer)
     with pytest.raises(DiffarError, match="do not match"):
+        load_checkpoint(tmp_path / "c")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("d_model", 10**8, "weights do not match config.json"),  # terabytes: refused before a byte is allocated
+    ("vocab_size", 10**9, "weights do not match config.json"),
+    ("max_seq_len", 10**7, "max_seq_len must be at most 1,048,576"),
+    ("n_head", 0, "n_head must be positive"),
+    ("rope_base", -1, "rope_base must be a positive number"),
+    ("norm_eps", "x", "norm_eps must be a positive number"),
+])
+def test_impossible_model_configs_are_rejected(tiny_model, tokenizer, tmp_path, field, value, message):
+    write_checkpoint(tmp_path / "c", tiny_model, {**_meta(tiny_model), "model": {**tiny_model.config.to_dict(),
+                                                                                  field: value}}, tokenizer)
+    with pytest.raises(DiffarError, match=message):
         load_checkpoint(tmp_path / "c")
 
 

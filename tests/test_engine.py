@@ -4,6 +4,7 @@ what each one's client sees (stop strings, budgets, going away), and how a full 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -12,7 +13,8 @@ import torch
 from conftest import random_model
 from diffar.decoding.sampling import SamplingConfig
 from diffar.generation import ARMethod
-from diffar.serving.engine import Engine, EngineDown, Event, QueueFull, Request
+from diffar.decoding.result import GenerationResult
+from diffar.serving.engine import Busy, Engine, EngineDown, Event, Request
 
 GREEDY, SAMPLED = SamplingConfig(), SamplingConfig(temperature=1.0)
 PROMPTS = [[10, 11, 12], [20, 21, 22, 23, 24], [30]]
@@ -155,8 +157,9 @@ def test_a_full_queue_refuses_then_serves_what_it_holds(method, tokenizer, batch
     try:
         async def run():
             held = [engine.submit(Request(p, 3, GREEDY)) for p in PROMPTS[:2]]  # the window keeps both waiting
-            with pytest.raises(QueueFull):
+            with pytest.raises(Busy) as refused:
                 engine.submit(Request(PROMPTS[2], 3, GREEDY))
+            assert refused.value.reason == "queue_full" and refused.value.retry_after >= 1
             for r in held:
                 while (await r.events.get()).finish_reason is None:
                     pass
@@ -187,3 +190,65 @@ def test_an_engine_whose_worker_is_down_refuses(method, tokenizer):
     engine.stop()
     with pytest.raises(EngineDown):  # stopped
         asyncio.run(submit())
+
+
+@dataclass
+class Clockwork:
+    """A generation method whose batches take STEP seconds per token of their longest row (timed by sleeping),
+    so the engine's estimate of a step is known. Writes token 1."""
+
+    STEP = 0.01
+    tokenizer: object
+    name = "clockwork"
+
+    def settings(self, options):
+        return GREEDY
+
+    def prompt(self, text):
+        return [1]
+
+    def room(self, ids, settings):
+        return 1000
+
+    def fits(self, longest, budget):
+        return True
+
+    def generate(self, prompts, budgets, settings, *, on_token=None, **_):
+        budgets = budgets if isinstance(budgets, list) else [budgets] * len(prompts)
+        time.sleep(self.STEP * max(budgets))
+        for row, n in enumerate(budgets):
+            for _ in range(n):
+                if on_token and on_token(row, 1) is False:
+                    break
+        return GenerationResult(tokens=[[1] * n for n in budgets], ended=[False] * len(prompts), passes={},
+                                seconds=0.0)
+
+
+def test_admission_refuses_what_it_could_not_answer_in_time(tokenizer):
+    """Estimated wait = tokens asked for by the waiting requests / batch size x measured step cost: with 0.01 s a
+    step, 4 rows a batch and 20 tokens a request, each waiting request adds ~0.05 s, so a bound of 0.5 s admits
+    about eleven of a burst (plus the first batch, taken while the burst arrives) and refuses the rest."""
+    engine = Engine(Clockwork(tokenizer), tokenizer, max_batch_size=4, window_ms=10, max_wait_s=0.5)
+    engine.start()
+    try:
+        assert engine.step_seconds == pytest.approx(Clockwork.STEP, rel=0.5)
+
+        async def burst():
+            admitted, refused = [], []
+            for _ in range(40):
+                try:
+                    admitted.append(engine.submit(Request([1], 20, GREEDY)))
+                except Busy as e:
+                    refused.append(e)
+            for r in admitted:
+                while (await r.events.get()).finish_reason is None:
+                    pass
+            return admitted, refused
+
+        admitted, refused = asyncio.run(burst())
+        assert 8 <= len(admitted) <= 16, len(admitted)
+        assert all(len(r.tokens) == 20 for r in admitted)  # everything admitted is answered in full
+        assert all(e.reason == "overloaded" and 1 <= e.retry_after <= 2 for e in refused)
+        assert engine.queued() == 0 and engine._pending_tokens == 0
+    finally:
+        engine.stop()

@@ -215,6 +215,34 @@ def test_full_queue_answers_429_and_loses_nothing(tiny_run):
         assert metric(url, 'diffar_requests_total{path="/v1/completions",status="200"}') == codes.count(200)
 
 
+def test_overload_is_shed_with_retry_after(tiny_run):
+    """A burst whose queued work exceeds --max-wait-s at the measured step cost: the excess gets a 429 at once,
+    with Retry-After; every admitted request is answered in full."""
+    with serving(tiny_run, "--max-batch-size", "4", "--max-wait-s", "0.1") as url:
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.gather(*(c.post(url + "/v1/completions", json={
+                    "prompt": "And", "max_tokens": 250, "temperature": 0, "stop": "never said"}) for _ in range(60)))
+        replies = asyncio.run(burst())
+    shed = [r for r in replies if r.status_code == 429]
+    served = [r for r in replies if r.status_code == 200]
+    assert len(shed) + len(served) == 60 and shed and served
+    assert all(r.json()["error"]["code"] == "overloaded" and int(r.headers["retry-after"]) >= 1 for r in shed)
+    assert all(r.json()["usage"]["completion_tokens"] == 250 for r in served)
+
+
+def test_api_key_guards_every_route_but_health_and_the_page(tiny_run):
+    with serving(tiny_run, "--api-key", "s3cret") as url:
+        for path in ("/v1/models", "/metrics"):
+            r = httpx.get(url + path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(url + "/v1/models", headers={"authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 401
+        assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/").status_code == 200
+        client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        assert client.completions.create(model="tiny", prompt="And", max_tokens=3).usage.completion_tokens == 3
+
+
 def test_metrics_in_prometheus_format(server):
     text = httpx.get(server + "/metrics").text
     for name in ("diffar_requests_total", "diffar_errors_total", "diffar_request_latency_seconds_bucket",

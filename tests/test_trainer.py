@@ -14,7 +14,7 @@ from diffar.training.trainer import Trainer, TrainConfig, lr_at
 from tests.conftest import ROOT, TINY_TRAIN, run_cli
 
 
-def _trainer(tokenizer, run_dir, seed=0, **cfg):
+def _trainer(tokenizer, run_dir, seed=0, override=False, **cfg):
     """Trains on the (small) valid split, validates on the held-out test works."""
     data = build_dataset(load_corpus("shakespeare", "valid"), tokenizer, block_size=64)
     held_out = build_dataset(load_corpus("shakespeare", "test"), tokenizer, block_size=64)
@@ -23,7 +23,7 @@ def _trainer(tokenizer, run_dir, seed=0, **cfg):
     meta = {"kind": "ar", "model": model.config.to_dict(), "task": "continuation", "corpus": "shakespeare"}
     defaults = dict(max_steps=8, batch_size=4, warmup_steps=2, eval_every=4, eval_examples=8, save_every=2,
                     lr=3e-3)
-    return Trainer(model, data, held_out, TrainConfig(**{**defaults, **cfg}), run_dir, meta, tokenizer)
+    return Trainer(model, data, held_out, TrainConfig(**{**defaults, **cfg}), run_dir, meta, tokenizer, override)
 
 
 def _losses(run_dir):
@@ -67,6 +67,21 @@ def test_killed_run_resumes_exactly(tokenizer, tmp_path):
     resumed.fit()
     assert _losses(tmp_path / "crash") == _losses(tmp_path / "ref")
 
+
+
+def test_resume_refuses_changed_settings_unless_overridden(tokenizer, tmp_path):
+    from diffar.checkpoint import read_meta, resolve
+    from diffar.errors import DiffarError
+
+    _trainer(tokenizer, tmp_path, max_steps=4).fit()
+    for changed in (dict(lr=1e-2), dict(batch_size=8), dict(warmup_steps=3)):
+        with pytest.raises(DiffarError, match=f"--{next(iter(changed)).replace('_', '-')} .* -> .*--override"):
+            _trainer(tokenizer, tmp_path, max_steps=6, **changed).fit()
+    assert read_meta(resolve(tmp_path))["train"]["max_steps"] == 4  # nothing was trained or written
+    _trainer(tokenizer, tmp_path, max_steps=6, eval_every=3).fit()  # run longer, evaluate at another pace: fine
+    _trainer(tokenizer, tmp_path, max_steps=8, lr=1e-2, override=True).fit()
+    meta = read_meta(resolve(tmp_path))
+    assert meta["train"]["lr"] == 1e-2 and meta["history"] == [{"step": 6, "changed": {"lr": [3e-3, 1e-2]}}]
 
 def test_ctrl_c_saves_and_resumes(tokenizer_path, tmp_path):
     """A real process: SIGINT finishes the step, saves, exits 2 with a one-line message; rerun completes."""

@@ -88,3 +88,15 @@ def test_a_chat_model_answers_on_the_page(browser, chat_page):
     generate(browser, "generate")
     assert "Paris" in browser.find_element(By.ID, "output").text
     assert "finish: stop" in browser.find_element(By.ID, "stats").text  # the end-of-turn token ended it
+
+
+def test_a_server_with_an_api_key_asks_for_it(browser, tiny_run):
+    with serving(tiny_run, "--api-key", "s3cret") as url:
+        browser.get(url + "/")
+        WebDriverWait(browser, 30).until(lambda d: "API key" in d.find_element(By.ID, "error").text)
+        assert browser.find_element(By.ID, "api-key").is_displayed()
+        browser.find_element(By.ID, "api-key").send_keys("s3cret\n")  # Enter commits the field (change)
+        WebDriverWait(browser, 30).until(lambda d: not d.find_element(By.ID, "error").text)
+        browser.find_element(By.ID, "prompt").send_keys("And God said")
+        generate(browser, "generate")
+        assert tokens(browser) and not browser.find_element(By.ID, "error").text

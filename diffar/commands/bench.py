@@ -16,7 +16,7 @@ def _prompts(prompts: int, batch_sizes: list[int]) -> argparse.ArgumentParser:
     p.add_argument("--corpus", help="prompts from this corpus (default: the checkpoint's corpus)")
     p.add_argument("--prompts", type=flags.positive_int, default=prompts)
     p.add_argument("--new-tokens", type=flags.positive_int, default=256, help="continuation: tokens per prompt")
-    p.add_argument("--batch-sizes", type=flags.positive_int, nargs="+", default=batch_sizes)
+    p.add_argument("--batch-sizes", type=flags.int_in(1, flags.MAX_BATCH), nargs="+", default=batch_sizes)
     return p
 
 
@@ -32,13 +32,13 @@ def register(subparsers) -> None:
     bar.add_argument("--methods", nargs="+", choices=["ar", "ar-nocache"], default=["ar", "ar-nocache"])
     bar.add_argument("--peer", choices=["transformers"],
                      help="also time this library's generate on the same weights (greedy text compared with ar's)")
-    bar.add_argument("--batch-sizes", type=flags.positive_int, nargs="+", default=[1, 8])
+    bar.add_argument("--batch-sizes", type=flags.int_in(1, flags.MAX_BATCH), nargs="+", default=[1, 8])
     bar.add_argument("--new-tokens", type=flags.positive_int, default=256)
     bar.add_argument("--repeats", type=flags.positive_int, default=1)
     bar.set_defaults(func=run_ar)
 
     draft_length = argparse.ArgumentParser(add_help=False)
-    draft_length.add_argument("--k", type=int, default=8, help="draft length (block size)")
+    draft_length.add_argument("--k", type=flags.int_in(1, flags.MAX_DRAFT), default=8, help="draft length (block size)")
     lossless = [_prompts(32, [1]), draft_length, json_out]
     bsp = methods.add_parser("speculative", help="AR vs lossless prompt-lookup and draft-model decoding",
                              parents=lossless)
@@ -52,13 +52,13 @@ def register(subparsers) -> None:
     brf.add_argument("--draft", default="checkpoints/draft-kjv2web", help="the small AR drafter peer")
     brf.add_argument("--methods", nargs="+",
                      default=["ar", "ar+prompt-lookup", "ar+draft", "refusion", "refusion-dynamic", "refusion-infill"])
-    brf.add_argument("--plan-threshold", type=float, default=0.9, help="refusion-infill: keep drafts this confident")
+    brf.add_argument("--plan-threshold", type=flags.float_in(0, 1), default=0.9, help="refusion-infill: keep drafts this confident")
     brf.add_argument("--plan-slot", type=flags.positive_int, default=1, help="refusion-infill: tokens per planned slot")
     brf.add_argument("--set", choices=SOURCES,
                      help="a chat model's prompt set instead of a corpus: code (HumanEval), chat (a fixed list, then "
                           "held-out self-written instructions), shakespeare (test windows); methods may add the "
                           "peers transformers and transformers+prompt-lookup")
-    brf.add_argument("--temperature", type=float, default=0.0, help="--set: 0 = greedy, else plain sampling")
+    brf.add_argument("--temperature", type=flags.float_in(0, 100), default=0.0, help="--set: 0 = greedy, else plain sampling")
     brf.set_defaults(func=run_refusion)
 
     bdd = methods.add_parser("dd2", help="DD2 one-step / few-step / hybrid sampling against AR",
@@ -86,8 +86,6 @@ def _lossless(args, **infill) -> None:
     """AR against the lossless draft-and-verify methods; `infill`: refusion-infill's plan settings."""
     from diffar.evaluation.bench import bench_lossless, print_table, write_records
 
-    if args.k <= 0:
-        raise DiffarError(f"--k must be positive, got {args.k}")
     records = bench_lossless(args.checkpoint, args.draft, args.corpus, args.prompts, args.new_tokens, args.k,
                              args.batch_sizes, args.methods, split=args.split, **infill)
     print_table(records)

@@ -41,8 +41,6 @@ def run(args) -> None:
 
     from diffar.generation import load_method
 
-    if args.max_new_tokens <= 0:
-        raise DiffarError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     method = load_method(args.checkpoint, dtype=args.dtype, device=args.device)
     settings = method.settings(sampling_options(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []

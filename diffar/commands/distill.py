@@ -71,7 +71,8 @@ def run_dd2(args) -> None:
                             **{k: getattr(args, k) for k in OVERRIDES})
     examples = setup.distillation_pairs(start, args.teacher, args.corpus, args.out, limit=args.teacher_examples,
                                         batch_size=args.teacher_batch_size)
-    setup.fit_dd2(start, args.corpus, args.valid_corpus, flags.train_config(args), args.out, examples)
+    setup.fit_dd2(start, args.corpus, args.valid_corpus, flags.train_config(args), args.out, examples,
+                  override=args.override)
 
 
 def run_data(args) -> None:

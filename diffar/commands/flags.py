@@ -50,6 +50,17 @@ def float_in(lo: float, hi: float):
 
 
 SEEDS = int_in(0, 2**63 - 1)  # what torch.Generator.manual_seed takes
+MAX_DRAFT = 64  # tokens drafted per verification (--k); more only costs
+MAX_TREE = 1024  # nodes of a verified draft tree (--tree)
+MAX_STEPS = 1000  # denoising steps (--steps)
+MAX_BATCH = 1024  # a benchmark's batch size (--batch-sizes)
+
+
+def text(value: str) -> str:
+    """An argparse type: a non-empty string."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
 
 
 def _parent() -> argparse.ArgumentParser:
@@ -79,10 +90,10 @@ def device() -> argparse.ArgumentParser:
 def sampling() -> argparse.ArgumentParser:
     """The budget and sampling flags of the commands that write an AR model's text (generate, chat)."""
     p = _parent()
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--temperature", type=float_in(0, 100), default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int_in(0), default=0, help="0 = no top-k cut")
+    p.add_argument("--top-p", type=float_in(0, 1), default=1.0)
     return p
 
 
@@ -108,6 +119,9 @@ def training() -> argparse.ArgumentParser:
     run = p.add_argument_group("training")
     run.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl)")
     run.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    run.add_argument("--override", action="store_true",
+                     help="resume even though training settings (--lr, --batch-size, --seed...) changed; the change "
+                          "is recorded in the checkpoint's history")
     for f in fields(TrainConfig):
         run.add_argument(f"--{f.name.replace('_', '-')}", type=SEEDS if f.name == "seed" else type(f.default),
                          default=f.default,

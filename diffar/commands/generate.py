@@ -24,14 +24,16 @@ def register(subparsers) -> None:
     g.add_argument("--no-echo", action="store_true", help="do not repeat a continuation prompt")
     g.add_argument("--draft", help="speculative decoding: a small AR checkpoint (same tokenizer) drafts tokens")
     g.add_argument("--prompt-lookup", action="store_true", help="speculative decoding: draft by copying n-grams")
-    g.add_argument("--k", type=int, help="drafts verified per AR pass (default 8; refusion: the model's block)")
+    g.add_argument("--k", type=flags.int_in(1, flags.MAX_DRAFT),
+                   help=f"drafts verified per AR pass (1..{flags.MAX_DRAFT}, default 8; refusion: the model's block)")
     g.add_argument("--method", choices=["ar", "refusion", "dd2"], help="default: the checkpoint's own kind")
-    g.add_argument("--steps", type=int, help="refusion: denoising steps per draft; dd2: sampling steps (default 1)")
+    g.add_argument("--steps", type=flags.int_in(1, flags.MAX_STEPS),
+                   help=f"refusion: denoising steps per draft; dd2: sampling steps (1..{flags.MAX_STEPS}, default 1)")
     g.add_argument("--adaptive-steps", action="store_true", help="dd2: min(100, 50 + length // 10) steps")
     g.add_argument("--preset", choices=["speed", "quality"], help="dd2: the DD2 seed post's sampling presets")
-    g.add_argument("--guidance", type=float, help="dd2: classifier-free guidance scale (1 = conditional only)")
-    g.add_argument("--tau", type=float, help="dd2: decoding temperature tau_max (0 = argmax)")
-    g.add_argument("--tau-min", type=float, help="dd2: the temperature floor tau_min")
+    g.add_argument("--guidance", type=flags.float_in(0, 100), help="dd2: classifier-free guidance scale (1 = conditional only)")
+    g.add_argument("--tau", type=flags.float_in(0, 100), help="dd2: decoding temperature tau_max (0 = argmax)")
+    g.add_argument("--tau-min", type=flags.float_in(0, 100), help="dd2: the temperature floor tau_min")
     g.add_argument("--sampler", choices=["ddim", "ddpm"], help="dd2: the scheduler (default ddim)")
     g.add_argument("--hybrid", metavar="AR_CHECKPOINT",
                    help="dd2: sample the first 50 tokens (one step unless --steps/--preset say more), then this AR "
@@ -41,11 +43,11 @@ def register(subparsers) -> None:
                         "confidence, or by --judge)")
     g.add_argument("--judge", metavar="AR_CHECKPOINT", help="dd2 --best-of: an AR model that scores the samples")
     g.add_argument("--dynamic", action="store_true", help="refusion: the ReFusion seed post's dynamic schedule")
-    g.add_argument("--plan-infill", type=float, metavar="THRESHOLD",
+    g.add_argument("--plan-infill", type=flags.float_in(0, 1), metavar="THRESHOLD",
                    help="refusion: keep drafts at least this confident unverified (faster, not lossless)")
     g.add_argument("--plan-slot", type=flags.positive_int, default=1, metavar="N",
                    help="refusion --plan-infill: plan slots of N tokens, each kept or infilled whole (default 1)")
-    g.add_argument("--tree", type=flags.positive_int, metavar="NODES",
+    g.add_argument("--tree", type=flags.int_in(1, flags.MAX_TREE), metavar="NODES",
                    help="refusion: verify a tree of the NODES likeliest drafts in each pass (lossless)")
     g.set_defaults(func=run)
 
@@ -130,10 +132,6 @@ def run(args) -> None:
         raise DiffarError("--prompt is not valid UTF-8 text (the shell passed undecodable bytes)")
     if not text.strip():
         raise DiffarError("empty prompt: pass --prompt TEXT or text on stdin")
-    if args.max_new_tokens <= 0:
-        raise DiffarError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
-    if args.k is not None and args.k <= 0:
-        raise DiffarError(f"--k must be positive, got {args.k}")
     name = resolve_method(args.checkpoint, args.method)
     if name != "refusion" and (args.dynamic or args.plan_infill is not None or args.tree):
         raise DiffarError("--dynamic, --plan-infill and --tree apply to --method refusion only")

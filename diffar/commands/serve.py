@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from diffar.commands import flags
@@ -14,13 +15,16 @@ def register(subparsers) -> None:
     sv.add_argument("--method", choices=("ar", "dd2", "refusion"),
                     help="decoding method (default: the checkpoint's kind; a ReFusion checkpoint can also serve its AR "
                          "stream as ar)")
-    sv.add_argument("--model-id", help="the model name clients use (default: the checkpoint folder's name)")
+    sv.add_argument("--model-id", type=flags.text, help="the model name clients use (default: the checkpoint folder's name)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=flags.int_in(1, 65535), default=8000)
     sv.add_argument("--max-batch-size", type=flags.positive_int, default=16)
     sv.add_argument("--batch-window-ms", type=flags.float_in(0, 10_000), default=10.0,
                     help="how long a batch waits to fill (0..10000 ms)")
     sv.add_argument("--max-queue", type=flags.positive_int, default=4096, help="waiting requests before 429")
+    sv.add_argument("--max-wait-s", type=flags.float_in(0.1, 3600), default=3.0,
+                    help="a request that would wait longer than this before its batch starts (queued work at the "
+                         "measured step cost) gets a 429 with Retry-After (0.1..3600 s, default 3)")
     sv.add_argument("--max-body-bytes", type=flags.positive_int, default=1 << 20,
                     help="larger request bodies get a 413 before they are read (default 1 MiB)")
     sv.add_argument("--judge", metavar="AR_CHECKPOINT",
@@ -29,6 +33,9 @@ def register(subparsers) -> None:
     sv.add_argument("--allowed-host", action="append", dest="allowed_hosts", metavar="HOST",
                     help="a Host header the server answers (repeatable; default: --host, localhost and 127.0.0.1; "
                          "'*' for any)")
+    sv.add_argument("--api-key", default=os.environ.get("DIFFAR_API_KEY"),
+                    help="clients must send 'Authorization: Bearer KEY' on every route but /health and the page "
+                         "(default: $DIFFAR_API_KEY; none: open)")
     sv.add_argument("--docs", action="store_true", help="serve the interactive API docs at /docs")
     sv.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug", "trace"))
     sv.set_defaults(func=run)
@@ -42,6 +49,7 @@ def run(args) -> None:
 
     method = load_method(args.checkpoint, args.method, dtype=args.dtype, device=args.device, judge=args.judge)
     app = create_app(method, args.model_id or Path(args.checkpoint).resolve().name, max_batch_size=args.max_batch_size,
-                     window_ms=args.batch_window_ms, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                     window_ms=args.batch_window_ms, max_queue=args.max_queue, max_wait_s=args.max_wait_s,
+                     max_body_bytes=args.max_body_bytes, api_key=args.api_key or None,
                      allowed_hosts=args.allowed_hosts or [args.host, "localhost", "127.0.0.1"], docs=args.docs)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, backlog=4096)

@@ -104,7 +104,8 @@ def run_ar(args) -> None:
         cfg = TransformerConfig.from_preset(args.preset or "small", vocab_size=tokenizer.vocab_size)
         model = Transformer(cfg)
     data = setup.datasets(tokenizer, args.corpus, args.valid_corpus, model.config.max_seq_len, args.block_size)
-    setup.fit(model, "ar", tokenizer, data, flags.train_config(args), args.out, init=args.init, lora=lora)
+    setup.fit(model, "ar", tokenizer, data, flags.train_config(args), args.out, init=args.init, lora=lora,
+              override=args.override)
 
 
 def run_refusion(args) -> None:
@@ -122,7 +123,7 @@ def run_refusion(args) -> None:
         grad_checkpoint=args.grad_checkpoint,
         ar_fusion_layers=None if args.ar_fusion_layers is None else tuple(args.ar_fusion_layers))
     data = setup.datasets(tokenizer, args.corpus, args.valid_corpus, model.config.ar.max_seq_len, args.block_size)
-    setup.fit(model, "refusion", tokenizer, data, flags.train_config(args), args.out)
+    setup.fit(model, "refusion", tokenizer, data, flags.train_config(args), args.out, override=args.override)
 
 
 def run_block_drafter(args) -> None:
@@ -141,7 +142,8 @@ def run_block_drafter(args) -> None:
     if model.config.draft_vocab:
         share = model.set_vocab(setup.token_counts(data.train, model.config.target.vocab_size))
         print(f"draft vocabulary: its {model.config.draft_vocab} tokens cover {share:.1%} of the training text")
-    setup.fit(model, "drafter", tokenizer, data, flags.train_config(args), args.out, target=args.ar)
+    setup.fit(model, "drafter", tokenizer, data, flags.train_config(args), args.out, target=args.ar,
+              override=args.override)
 
 
 def run_vqvae(args) -> None:
@@ -153,7 +155,7 @@ def run_vqvae(args) -> None:
     torch.manual_seed(args.seed)
     model = TextVQVAE(cfg)
     data = setup.canvas_datasets(tokenizer, args.corpus, args.valid_corpus, cfg, with_source=False)
-    setup.fit(model, "vqvae", tokenizer, data, flags.train_config(args), args.out)
+    setup.fit(model, "vqvae", tokenizer, data, flags.train_config(args), args.out, override=args.override)
 
 
 def run_dd2(args) -> None:
@@ -162,4 +164,4 @@ def run_dd2(args) -> None:
     start = setup.dd2_model(args.corpus, args.out, prediction="eps", preset=args.preset, vqvae=args.vqvae,
                             init=args.init, source_encoder=args.source_encoder, canvas_len=args.canvas_len,
                             schedule=args.schedule, cond_drop=args.cond_drop)
-    setup.fit_dd2(start, args.corpus, args.valid_corpus, flags.train_config(args), args.out)
+    setup.fit_dd2(start, args.corpus, args.valid_corpus, flags.train_config(args), args.out, override=args.override)

@@ -26,6 +26,7 @@ PRESETS: dict[str, dict] = {
     "small": dict(n_layer=6, n_head=8, d_model=256, max_seq_len=512),  # shipped models, ~6.9M params at 8k vocab
     "draft": dict(n_layer=2, n_head=8, d_model=256, max_seq_len=512),  # speculative-decoding drafter, ~3.7M
 }
+MAX_CONTEXT = 1 << 20  # the longest max_seq_len accepted (Llama 3's 131,072 fits; its RoPE tables are made eagerly)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class TransformerConfig(Config, presets=PRESETS):
             yield isinstance(value, int) and not isinstance(value, bool), f"{name} must be an integer, got {value!r}"
             optional = name in ("ffn_hidden", "n_kv_head", "head_dim")  # 0 means "derive it"
             yield value >= 0 if optional else value > 0, f"{name} must be {'>= 0' if optional else 'positive'}, got {value}"
+        yield self.max_seq_len <= MAX_CONTEXT, f"max_seq_len must be at most {MAX_CONTEXT:,}, got {self.max_seq_len:,}"
         for name in ("rope_base", "norm_eps"):
             value = getattr(self, name)
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0

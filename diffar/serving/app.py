@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,13 +22,16 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from diffar.generation import GenerationMethod
-from diffar.serving.engine import Engine, EngineDown, Event, QueueFull, Request
+from diffar.serving.engine import Busy, Engine, EngineDown, Event, Request
 from diffar.serving.metrics import Metrics
-from diffar.serving.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from diffar.serving.protocol import (GENERATION_RESPONSES, HEALTH_RESPONSES, READ_RESPONSES, ChatCompletionRequest,
+                                     CompletionRequest, error_body)
 from diffar.serving.requests import APIError, build_request, choice, is_chat_model, summary
 
 STATIC = Path(__file__).resolve().parent / "static"
 MAX_BODY_BYTES = 1 << 20  # default request body limit: 1 MiB holds any prompt a diffar model reads, many times over
+OPEN_PATHS = ("/health", "/")  # answered without the API key: liveness, and the page (which then asks for the key)
+MAX_WAIT_S = 3.0  # default bound on a request's estimated wait: beyond it, a 429 with Retry-After
 
 
 class CancellingStream(StreamingResponse):
@@ -46,16 +50,18 @@ class CancellingStream(StreamingResponse):
 
 
 def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int = 16, window_ms: float = 10.0,
-               max_queue: int = 4096, max_body_bytes: int = MAX_BODY_BYTES, allowed_hosts: list[str] | None = None,
-               docs: bool = False) -> FastAPI:
+               max_queue: int = 4096, max_wait_s: float | None = MAX_WAIT_S, max_body_bytes: int = MAX_BODY_BYTES,
+               allowed_hosts: list[str] | None = None, api_key: str | None = None, docs: bool = False) -> FastAPI:
     """The server's routes over one engine running `method`. They are closures over the engine and the
     metrics, hence one function (~150 lines) of short routes; what a body means is serving/requests.py's.
     A body larger than `max_body_bytes` (by its Content-Length, before a byte of it is read) gets a 413; a
     `Host` header outside `allowed_hosts` (None: any) a 400, so a web page elsewhere cannot drive a local server
-    through DNS rebinding; the interactive /docs exist only with `docs`."""
+    through DNS rebinding; with `api_key`, every route but /health and the page itself needs the header
+    `Authorization: Bearer <api_key>` (a 401 without it); the interactive /docs exist only with `docs`.
+    Admission: a request whose estimated wait exceeds `max_wait_s` (None: no bound) gets a 429 with Retry-After."""
     metrics = Metrics()
     engine = Engine(method, method.tokenizer, max_batch_size=max_batch_size, window_ms=window_ms,
-                    max_queue=max_queue, on_batch=metrics.observe_batch)
+                    max_queue=max_queue, max_wait_s=max_wait_s, on_batch=metrics.observe_batch)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -70,7 +76,7 @@ def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int =
 
     @app.exception_handler(APIError)
     async def api_error(_, exc: APIError):
-        return JSONResponse(exc.body, status_code=exc.status)
+        return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, exc: RequestValidationError):
@@ -88,18 +94,29 @@ def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int =
     @app.exception_handler(HTTPException)
     async def http_error(_, exc: HTTPException):
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error", str(exc.status_code)),
-                            exc.status_code)
+                            exc.status_code, headers=exc.headers)  # a 405's Allow among them
 
     @app.middleware("http")
     async def count(request: HTTPRequest, call_next):
         t0 = time.perf_counter()
-        response = too_large(request) or await call_next(request)
+        response = unauthorised(request) or too_large(request) or await call_next(request)
         path = request.url.path if request.url.path in KNOWN_PATHS else "other"
         metrics.requests.labels(path, str(response.status_code)).inc()
         if response.status_code >= 400:
             metrics.errors.labels(path, str(response.status_code)).inc()
         metrics.latency.labels(path).observe(time.perf_counter() - t0)
         return response
+
+    def unauthorised(request: HTTPRequest) -> JSONResponse | None:
+        """A 401 for a request without the server's API key (when it has one); None: go on."""
+        if api_key is None or request.url.path in OPEN_PATHS:
+            return None
+        given = request.headers.get("authorization", "")
+        if secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            return None
+        return JSONResponse(error_body("missing or wrong API key (send 'Authorization: Bearer <key>')",
+                                       "invalid_request_error", "invalid_api_key"), 401,
+                            headers={"WWW-Authenticate": "Bearer"})
 
     def too_large(request: HTTPRequest) -> JSONResponse | None:
         """A 413 for a body over the limit, or a 411 for a body of unstated length; None: go on."""
@@ -141,9 +158,9 @@ def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int =
     def submit(req: Request) -> None:
         try:
             engine.submit(req)
-        except QueueFull:
-            raise APIError(429, "server busy: the request queue is full, retry later", "rate_limit_error",
-                           code="queue_full") from None
+        except Busy as e:
+            raise APIError(429, f"{e}; retry later", "rate_limit_error", code=e.reason,
+                           headers={"Retry-After": str(e.retry_after)}) from None
         except EngineDown:
             raise APIError(503, "the generation worker is down; restart the server", "server_error",
                            code="engine_down") from None
@@ -187,26 +204,26 @@ def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int =
                           "total_tokens": len(req.prompt_ids) + n},
                 "diffar": summary(req, method, time.perf_counter() - req.submitted)}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, http: HTTPRequest):
         return await respond(body, chat=False, http=http)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
         return await respond(body, chat=True, http=http)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=READ_RESPONSES)
     async def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "diffar",
                                             "task": method.task, "methods": [method.name],
                                             "chat": is_chat_model(method)}]}
 
-    @app.get("/health")
+    @app.get("/health", responses=HEALTH_RESPONSES)
     async def health():
         body = {"status": "ok" if engine.alive else "down", "model": model_id, "queued": engine.queued()}
         return JSONResponse(body, status_code=200 if engine.alive else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=READ_RESPONSES, response_class=Response)
     async def prometheus():
         metrics.queued.set(engine.queued())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -215,5 +232,14 @@ def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int =
     async def page():
         return FileResponse(STATIC / "index.html")
 
+    def openapi() -> dict:
+        """FastAPI's document without the 422 it lists for every body: invalid bodies get a 400 here."""
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for operation in (op for path in schema["paths"].values() for op in path.values()):
+                operation["responses"].pop("422", None)
+        return app.openapi_schema
+
+    app.openapi = openapi
     KNOWN_PATHS = {r.path for r in app.routes}
     return app

@@ -4,7 +4,10 @@ A single worker thread owns the model and its generation method (diffar/generati
 waiting request, waits up to `window_ms` for more with the same sampling settings (up to `max_batch_size`),
 and decodes them as one batch; each row stops on its own (eos, its token budget, a stop string, or its
 client going away). Tokens are handed to the asyncio side as they are produced, so streaming clients see
-them live. The waiting line is bounded: a full line refuses new requests instead of growing without limit.
+them live. The waiting line is bounded twice: by length (`max_queue`), and by the time a new request would
+wait before its batch starts — admission control estimates it from the tokens already asked for and the
+measured cost of a decoding step (first measured by a warm-up batch at start), and refuses a request that would
+wait longer than `max_wait_s` rather than queueing work its client will have given up on.
 A seeded sampled request (and a seeded DD2 request: DD2 always draws its starting noise) runs in a batch of
 its own, so its output is reproducible under any load.
 """
@@ -12,6 +15,7 @@ its own, so its output is reproducible under any load.
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 import threading
 import time
@@ -23,11 +27,20 @@ import torch
 from diffar.decoding.dd2 import DD2Sampling
 from diffar.decoding.result import GenerationResult
 from diffar.decoding.sampling import SamplingConfig
+from diffar.generation.method import Options
 from diffar.tokenizer import Tokenizer
 
+WARMUP_TOKENS = 8  # per row of the warm-up batch
+STEP_SMOOTHING = 0.3  # weight of the newest batch in the running estimate of a decoding step's cost
 
-class QueueFull(Exception):
-    """The waiting line is at capacity; the caller should retry later (HTTP 429)."""
+
+class Busy(Exception):
+    """The engine cannot take the request now (HTTP 429): its line is full (`reason` "queue_full") or the
+    estimated wait exceeds the bound ("overloaded"). `retry_after`: seconds until it likely can."""
+
+    def __init__(self, reason: str, message: str, retry_after: int):
+        super().__init__(message)
+        self.reason, self.retry_after = reason, retry_after
 
 
 class EngineDown(Exception):
@@ -133,15 +146,19 @@ class Engine:
     """Owns one model's generation method (diffar/generation) and the worker thread that runs it."""
 
     def __init__(self, method, tokenizer: Tokenizer, *, max_batch_size: int = 16, window_ms: float = 10.0,
-                 max_queue: int = 4096, on_batch=None):
+                 max_queue: int = 4096, max_wait_s: float | None = None, on_batch=None):
         self.method, self.tokenizer = method, tokenizer
         self.max_batch_size, self.window, self.max_queue = max_batch_size, window_ms / 1000, max_queue
+        self.max_wait_s = max_wait_s  # None: no bound on the estimated wait (the line's length still is)
         self.on_batch = on_batch  # called with BatchStats after every batch (metrics)
         self.incoming: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._held: deque[Request] = deque()  # taken from `incoming`, passed over by the last batch
         self._waiting = 0  # submitted, not yet in a batch: bounded by max_queue
+        self._pending_tokens = 0  # the token budgets of those waiting requests
+        self.step_seconds: float | None = None  # a decoding step's running cost (None: not measured yet)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._ready = threading.Event()  # the warm-up is over
         self._thread = threading.Thread(target=self._run, name="diffar-engine", daemon=True)
 
     @property
@@ -149,7 +166,9 @@ class Engine:
         return self._thread.is_alive()
 
     def start(self) -> None:
+        """Start the worker; returns once its warm-up batch is done (nobody else may use the method meanwhile)."""
         self._thread.start()
+        self._ready.wait()
 
     def stop(self) -> None:
         self._stop.set()
@@ -160,14 +179,35 @@ class Engine:
             raise EngineDown
         request.loop = request.loop or asyncio.get_running_loop()
         with self._lock:
+            wait = self.estimated_wait()
             if self._waiting >= self.max_queue:
-                raise QueueFull
+                raise Busy("queue_full", f"server busy: {self._waiting} requests are waiting, the most it holds",
+                           max(1, math.ceil(wait or 1)))
+            if wait is not None and self.max_wait_s is not None and wait > self.max_wait_s:
+                raise Busy("overloaded", f"server busy: a new request would wait ~{wait:.1f} s, over its bound of "
+                                         f"{self.max_wait_s:g} s", max(1, math.ceil(wait - self.max_wait_s)))
             self._waiting += 1
+            self._pending_tokens += request.max_tokens
         self.incoming.put(request)
         return request
 
     def queued(self) -> int:
         return self._waiting
+
+    def estimated_wait(self) -> float | None:
+        """Seconds a new request would wait before its batch starts, if every waiting request used its whole
+        budget in full batches at the measured step cost (an upper bound when rows end early); None before
+        the first measure. Its own generation is not counted: an idle server admits any request."""
+        if self.step_seconds is None:
+            return None
+        return self._pending_tokens / self.max_batch_size * self.step_seconds
+
+    def _observe_step(self, seconds: float, rows: list[list[int]]) -> None:
+        steps = max((len(r) for r in rows), default=0)
+        if steps:
+            cost = seconds / steps
+            old = self.step_seconds
+            self.step_seconds = cost if old is None else (1 - STEP_SMOOTHING) * old + STEP_SMOOTHING * cost
 
     # ---- worker -----------------------------------------------------------------------------------
     def _next(self, timeout: float) -> Request | None:
@@ -203,10 +243,30 @@ class Engine:
         self._held.extendleft(reversed(passed))  # keep arrival order for the next batch
         with self._lock:
             self._waiting -= len(batch)
+            self._pending_tokens -= sum(r.max_tokens for r in batch)
         return [r for r in batch if not r.cancelled.is_set()]
+
+    def _warm_up(self) -> None:
+        """A full batch of a few tokens before the first request: the method's buffers made, and a first
+        measure of a decoding step at full batch for admission control. A failure only skips the measure."""
+        try:
+            settings = self.method.settings(Options())
+            ids = self.method.prompt("Hello")
+            budget = min(WARMUP_TOKENS, self.method.room(ids, settings))
+            for _ in range(2 if budget > 0 else 0):  # the first call pays one-time costs: measure the second
+                t0 = time.perf_counter()
+                result = self.method.generate([ids] * self.max_batch_size, budget, settings)
+            if budget > 0:
+                self._observe_step(time.perf_counter() - t0, result.tokens)
+        except Exception:  # noqa: BLE001 - the server still serves; its waits are measured on real batches
+            pass
 
     def _run(self) -> None:
         with torch.inference_mode():
+            try:
+                self._warm_up()
+            finally:
+                self._ready.set()
             while not self._stop.is_set():
                 batch = []
                 try:
@@ -232,6 +292,7 @@ class Engine:
                                       on_step=on_step if streaming else None, generator=generator,
                                       fixed=[r.fixed for r in batch])
         seconds = time.perf_counter() - t0
+        self._observe_step(seconds, result.tokens)
         passes = batch_passes(result, len(batch))
         cancelled = sum(r.cancelled.is_set() for r in batch)  # before finish(): consumers then mark theirs done
         for r in batch:

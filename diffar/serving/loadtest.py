@@ -34,8 +34,11 @@ class LoadResult:
     concurrency: int
     requests: int  # sent
     completed: int  # answered 200
-    errors: int  # answered otherwise, or failed in transport
+    errors: int  # answered otherwise (429s included), or failed in transport
     lost: int  # sent but never answered before the time limit
+    shed: int  # answered 429 (busy: retry later) after the client's last retry
+    retries: int  # requests sent again after a 429
+    gave_up: int  # clients that stopped waiting after --client-timeout (answered neither way in time)
     error_kinds: dict  # HTTP status or exception name -> count
     seconds: float
     requests_per_s: float
@@ -44,6 +47,7 @@ class LoadResult:
     p95_ms: float
     p99_ms: float
     max_tokens: int
+    client_timeout: float | None = None
     device: str = ""
 
 
@@ -54,11 +58,14 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
 
 
-async def _drive(url: str, prompts: list[str], concurrency: int, total: int, max_tokens: int,
-                 time_limit: float) -> tuple[list[float], int, int, Counter, int, float]:
-    """(latencies of successes, sent, completed, errors by kind, completion tokens, seconds)."""
+async def _drive(url: str, prompts: list[str], concurrency: int, total: int, max_tokens: int, time_limit: float,
+                 client_timeout: float | None, max_retries: int
+                 ) -> tuple[list[float], int, int, Counter, int, float, int]:
+    """(latencies of successes, sent, completed, errors by kind, completion tokens, seconds, retries). A client
+    that waits `client_timeout` for an answer gives up (errors["gave up"]) and sends its next request; a 429 is
+    retried after its Retry-After up to `max_retries` times."""
     latencies: list[float] = []
-    sent = completed = tokens = 0
+    sent = completed = tokens = retries = 0
     errors: Counter = Counter()
     deadline = time.perf_counter() + time_limit
 
@@ -69,6 +76,20 @@ async def _drive(url: str, prompts: list[str], concurrency: int, total: int, max
                                limits=httpx.Limits(max_connections=POOL, max_keepalive_connections=POOL))
              for _ in range(math.ceil(concurrency / POOL))]
 
+    async def post(client: httpx.AsyncClient, body: dict, t0: float) -> httpx.Response:
+        """The request, sent again after a 429's Retry-After while retries and the client's patience last (as
+        OpenAI's client does). Raises TimeoutException when the patience or the run's time runs out."""
+        nonlocal retries
+        end = min(deadline, t0 + client_timeout) if client_timeout else deadline
+        attempt = 0
+        while True:
+            r = await client.post("/v1/completions", json=body, timeout=max(0.1, end - time.perf_counter()))
+            wait = float(r.headers.get("retry-after", 1)) if r.status_code == 429 else 0.0
+            if not wait or attempt == max_retries or time.perf_counter() + wait >= end:
+                return r
+            attempt, retries = attempt + 1, retries + 1
+            await asyncio.sleep(wait)
+
     async def client_loop(client: httpx.AsyncClient):
         """One client: one request at a time until the run's budget of requests or time is spent."""
         nonlocal sent, completed, tokens
@@ -77,9 +98,12 @@ async def _drive(url: str, prompts: list[str], concurrency: int, total: int, max
             sent += 1
             t0 = time.perf_counter()
             try:
-                r = await client.post("/v1/completions", json=body, timeout=max(0.1, deadline - time.perf_counter()))
+                r = await post(client, body, t0)
                 n = r.json()["usage"]["completion_tokens"] if r.status_code == 200 else None
-            except httpx.ReadTimeout:
+            except httpx.TimeoutException:
+                if time.perf_counter() < deadline:  # this client's patience ran out, not the run's time
+                    errors["gave up"] += 1
+                    continue
                 return  # sent, never answered in time: counted as lost
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
                 errors[type(e).__name__] += 1  # refused, broken, or a 200 that is not a completion
@@ -96,20 +120,24 @@ async def _drive(url: str, prompts: list[str], concurrency: int, total: int, max
     seconds = time.perf_counter() - t0
     for pool in pools:
         await pool.aclose()
-    return sorted(latencies), sent, completed, errors, tokens, seconds
+    return sorted(latencies), sent, completed, errors, tokens, seconds, retries
 
 
 def run_load(url: str, prompts: list[str], *, concurrency: int, requests: int, max_tokens: int, time_limit: float,
-             label: str, max_batch_size: int | None) -> LoadResult:
-    latencies, sent, completed, errors, tokens, seconds = asyncio.run(
-        _drive(url, prompts, concurrency, requests, max_tokens, time_limit))
+             label: str, max_batch_size: int | None, client_timeout: float | None = None,
+             max_retries: int = 2) -> LoadResult:
+    latencies, sent, completed, errors, tokens, seconds, retries = asyncio.run(
+        _drive(url, prompts, concurrency, requests, max_tokens, time_limit, client_timeout, max_retries))
     n_errors = sum(errors.values())
     return LoadResult(
         label=label, max_batch_size=max_batch_size, concurrency=concurrency, requests=sent, completed=completed,
-        errors=n_errors, lost=sent - completed - n_errors, error_kinds=dict(errors), seconds=round(seconds, 2),
+        errors=n_errors, lost=sent - completed - n_errors, shed=errors["HTTP 429"], gave_up=errors["gave up"],
+        retries=retries,
+        error_kinds=dict(errors), seconds=round(seconds, 2),
         requests_per_s=round(completed / seconds, 2), tokens_per_s=round(tokens / seconds, 1),
         p50_ms=round(1000 * _percentile(latencies, 0.50), 1), p95_ms=round(1000 * _percentile(latencies, 0.95), 1),
-        p99_ms=round(1000 * _percentile(latencies, 0.99), 1), max_tokens=max_tokens, device=cpu_name())
+        p99_ms=round(1000 * _percentile(latencies, 0.99), 1), max_tokens=max_tokens, client_timeout=client_timeout,
+        device=cpu_name())
 
 
 def raise_fd_limit() -> None:
@@ -120,7 +148,7 @@ def raise_fd_limit() -> None:
 
 
 @contextmanager
-def local_server(checkpoint: str, max_batch_size: int, max_queue: int):
+def local_server(checkpoint: str, max_batch_size: int, max_queue: int, max_wait_s: float = 3.0):
     """`diffar serve` in a child process on a free loopback port; yields its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -128,7 +156,7 @@ def local_server(checkpoint: str, max_batch_size: int, max_queue: int):
     log = tempfile.TemporaryFile(mode="w+")  # a pipe nobody reads would block the server once full
     proc = subprocess.Popen(
         [sys.executable, "-m", "diffar.cli", "serve", "--checkpoint", checkpoint, "--port", str(port),
-         "--max-batch-size", str(max_batch_size), "--max-queue", str(max_queue)],
+         "--max-batch-size", str(max_batch_size), "--max-queue", str(max_queue), "--max-wait-s", str(max_wait_s)],
         stdout=log, stderr=subprocess.STDOUT, text=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -157,11 +185,12 @@ def local_server(checkpoint: str, max_batch_size: int, max_queue: int):
 
 
 def print_results(results: list[LoadResult]) -> None:
-    print(f"{'server':<22}{'conc':>6}{'sent':>7}{'ok':>7}{'err':>5}{'lost':>5}{'req/s':>8}{'tok/s':>9}"
+    print(f"{'server':<22}{'conc':>6}{'sent':>7}{'ok':>7}{'429':>6}{'err':>5}{'lost':>5}{'req/s':>8}{'tok/s':>9}"
           f"{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}")
     for r in results:
-        print(f"{r.label:<22}{r.concurrency:>6}{r.requests:>7}{r.completed:>7}{r.errors:>5}{r.lost:>5}"
-              f"{r.requests_per_s:>8.2f}{r.tokens_per_s:>9.1f}{r.p50_ms:>9.0f}{r.p95_ms:>9.0f}{r.p99_ms:>9.0f}")
+        print(f"{r.label:<22}{r.concurrency:>6}{r.requests:>7}{r.completed:>7}{r.shed:>6}{r.errors - r.shed:>5}"
+              f"{r.lost:>5}{r.requests_per_s:>8.2f}{r.tokens_per_s:>9.1f}{r.p50_ms:>9.0f}{r.p95_ms:>9.0f}"
+              f"{r.p99_ms:>9.0f}")
     for r in results:
         if r.error_kinds:
             print(f"{r.label} errors: {r.error_kinds}")

@@ -3,7 +3,7 @@
 Only what diffar can honour is accepted: n must be 1, best_of above 1 only for DD2 (and not streamed, as
 in OpenAI's API), and every knob is validated even where the served method ignores it (AR: steps,
 guidance_scale, preset, tau, tau_min; DD2: temperature, top_k, top_p), so a client learns about a typo at
-once.
+once. Numbers and flags are strict: `true` is not a temperature, nor "0.5".
 """
 
 from __future__ import annotations
@@ -34,24 +34,24 @@ class GenerationFields(BaseModel):
     model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we don't use (user, logprobs...)
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)  # OpenAI's newer name for max_tokens
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, strict=True)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, strict=True)
     stop: str | list[str] | None = None
-    stream: bool = False
-    n: int = Field(default=1, ge=1, le=1)
-    best_of: int = Field(default=1, ge=1, le=16)  # DD2: samples per request, of which one is kept
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stream: bool = Field(default=False, strict=True)
+    n: int = Field(default=1, ge=1, le=1, strict=True)
+    best_of: int = Field(default=1, ge=1, le=16, strict=True)  # DD2: samples per request, of which one is kept
+    seed: int | None = Field(default=None, ge=0, lt=2**63, strict=True)
     # diffar's own
     method: str | None = None  # None: the method the server serves
-    top_k: int = Field(default=0, ge=0)
-    steps: int | None = Field(default=None, ge=1)
-    guidance_scale: float | None = Field(default=None, ge=0.0)
+    top_k: int = Field(default=0, ge=0, strict=True)
+    steps: int | None = Field(default=None, ge=1, le=1000, strict=True)
+    guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0, strict=True)
     preset: Literal["speed", "quality"] | None = None
     # DD2's read-out temperature tau(t) = max(tau_min, tau * (1 - t)), as `diffar generate --tau/--tau-min`
-    tau: float | None = Field(default=None, ge=0.0)
-    tau_min: float | None = Field(default=None, ge=0.0)
+    tau: float | None = Field(default=None, ge=0.0, le=100.0, strict=True)
+    tau_min: float | None = Field(default=None, ge=0.0, le=100.0, strict=True)
     # Human-in-the-loop: output position -> a token id to keep, or text to put there (it may span tokens)
     fixed_tokens: dict[int, int | str] | None = None
 
@@ -115,3 +115,44 @@ class ChatCompletionRequest(GenerationFields):
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the server answers, in OpenAI's shape (`error_body`)."""
+
+    error: ErrorDetail
+
+
+def _errors(*statuses: int) -> dict:
+    return {s: {"model": ErrorResponse, "description": ERROR_MEANINGS[s]} for s in statuses}
+
+
+ERROR_MEANINGS = {
+    400: "an invalid body, field or Host header",
+    401: "a missing or wrong API key (a server started with --api-key)",
+    404: "a `model` this server does not serve",
+    411: "a body without Content-Length",
+    413: "a body over the server's --max-body-bytes",
+    429: "busy: the waiting line is full, or a new request would wait longer than --max-wait-s; see Retry-After",
+    503: "the generation worker is down, or generation failed",
+}
+SSE_EVENT = {"type": "object", "description": "one server-sent event", "required": ["data"],
+             "properties": {"data": {"type": "string", "description": "a chunk as JSON, or [DONE] at the end"}}}
+RETRY_AFTER = {"Retry-After": {"description": "seconds after which a retry likely succeeds", "schema": {"type": "integer"}}}
+# What the OpenAPI document says each route may answer (FastAPI's default 422 is never sent: invalid bodies get 400).
+GENERATION_RESPONSES = {
+    200: {"description": "the completion as JSON, or with `stream: true` server-sent events (`data: {chunk}` lines, "
+                         "then `data: [DONE]`)",
+          "content": {"application/json": {}, "text/event-stream": {"schema": SSE_EVENT}}},
+    **_errors(400, 401, 404, 411, 413, 429, 503),
+}
+GENERATION_RESPONSES[429]["headers"] = RETRY_AFTER
+READ_RESPONSES = _errors(400, 401)
+HEALTH_RESPONSES = {503: {"description": "the generation worker is down"}, **_errors(400)}

@@ -13,8 +13,8 @@ from diffar.tokenizer import Tokenizer
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None):
-        self.status, self.body = status, error_body(message, type_, code, param)
+                 param: str | None = None, headers: dict[str, str] | None = None):
+        self.status, self.body, self.headers = status, error_body(message, type_, code, param), headers
 
 
 def options(body: GenerationFields) -> Options:

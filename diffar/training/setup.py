@@ -92,14 +92,14 @@ def canvas_datasets(tokenizer: Tokenizer, corpus: str, valid_corpus: str | None,
 
 
 def fit(model: nn.Module, kind: str, tokenizer: Tokenizer, data: Datasets, config: TrainConfig, out: str,
-        init: str | None = None, lora: dict | None = None, target: str | None = None) -> None:
+        init: str | None = None, lora: dict | None = None, target: str | None = None, override: bool = False) -> None:
     """Train (or resume) in `out`; the checkpoint's meta records the model's config, the data it saw, the
     checkpoint it started from (`init`), its adapters (`lora`: add_lora's arguments) and the AR checkpoint a
-    drafter drafts for (`target`), if any."""
+    drafter drafts for (`target`), if any. `override`: a resumed run may change its training settings."""
     meta = {"kind": kind, "model": model.config.to_dict(), "task": data.task, "corpus": data.corpus,
             "block_size": data.block_size, **({"init": str(init)} if init else {}), **({"lora": lora} if lora else {}),
             **({"target": str(target)} if target else {})}
-    metrics = Trainer(model, data.train, data.valid, config, out, meta, tokenizer).fit()
+    metrics = Trainer(model, data.train, data.valid, config, out, meta, tokenizer, override).fit()
     if metrics:
         ppl = f", val ppl {metrics['val_ppl']:.2f}" if "val_ppl" in metrics else ""
         print(f"done: step {metrics['step']}, val loss {metrics['val_loss']:.4f}{ppl}")
@@ -252,7 +252,7 @@ def dd2_model(corpus: str, out: str, *, prediction: str, preset: str, vqvae: str
 
 
 def fit_dd2(start: DD2Start, corpus: str, valid_corpus: str | None, config: TrainConfig, out: str,
-            examples=None) -> None:
+            examples=None, override: bool = False) -> None:
     """Train a DD2 model on canvases of `corpus` (or on `examples`, a distillation's teacher outputs)."""
     model, cfg = start.model, start.model.config
     data = canvas_datasets(start.tokenizer, corpus, valid_corpus, cfg.vqvae, with_source=True, examples=examples,
@@ -260,7 +260,7 @@ def fit_dd2(start: DD2Start, corpus: str, valid_corpus: str | None, config: Trai
     if start.calibrate:  # a fresh model: scale its latents to unit variance
         model.calibrate(data.train.batch(data.train.eval_indices(256))["targets"])
     print(f"latent scale {cfg.latent_scale:.4f}, prediction {cfg.prediction}")
-    fit(model, "dd2", start.tokenizer, data, config, out)
+    fit(model, "dd2", start.tokenizer, data, config, out, override=override)
 
 
 def distillation_pairs(start: DD2Start, teacher_path: str, corpus: str, out: str, *, limit: int | None,

@@ -37,6 +37,9 @@ from diffar.tokenizer import Tokenizer
 
 # A resumed run must continue the same experiment: these fields of config.json have to agree.
 RESUME_MUST_MATCH = ("kind", "model", "task", "corpus", "block_size", "tokenizer_sha256")
+# TrainConfig fields a resumed run may change freely (run longer, evaluate or save at another pace); any other
+# change (lr, batch size, seed...) makes a different experiment and needs `override`, which records it.
+RESUME_MAY_CHANGE = ("max_steps", "eval_every", "eval_examples", "save_every")
 
 
 class Trainable(Protocol):
@@ -93,9 +96,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 class Trainer:
     def __init__(self, model: Trainable, train_data, valid_data, cfg: TrainConfig, run_dir: str | Path,
-                 meta: dict, tokenizer: Tokenizer):
-        """`meta` goes into every checkpoint's config.json (model kind and config, corpus, task...)."""
-        self.cfg, self.run_dir, self.meta, self.tokenizer = cfg, Path(run_dir), meta, tokenizer
+                 meta: dict, tokenizer: Tokenizer, override: bool = False):
+        """`meta` goes into every checkpoint's config.json (model kind and config, corpus, task...). `override`
+        lets a resumed run change its training hyperparameters (the change is kept in the meta's "history")."""
+        self.cfg, self.run_dir, self.meta, self.tokenizer = cfg, Path(run_dir), dict(meta), tokenizer
+        self.override = override
         self.train_data, self.valid_data = train_data, valid_data
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
         cuda = torch.cuda.is_available()
@@ -157,6 +162,7 @@ class Trainer:
         if differ:
             raise DiffarError(f"{self.run_dir} holds a run of a different model/data ({', '.join(differ)} differ); "
                               f"choose another --out")
+        changed = self._changed_hyperparameters(saved)
         try:
             load_model(self.model, str(folder / "model.safetensors"), device=str(self.device))
             with warnings.catch_warnings():  # a corrupt file's unpickler warnings: the error below says it all
@@ -167,6 +173,10 @@ class Trainer:
         except (OSError, SafetensorError, RuntimeError, ValueError, EOFError, KeyError, TypeError,
                 pickle.UnpicklingError) as e:
             raise DiffarError(f"cannot resume from {folder}: its weights or train_state.pt are unreadable") from e
+        # every later checkpoint keeps the run's history of overridden settings
+        history = saved.get("history", []) + ([{"step": self.step, "changed": changed}] if changed else [])
+        if history:
+            self.meta["history"] = history
         if self.rank == 0 and self.metrics_path.exists():  # keep only log lines up to the checkpoint
             kept = []
             for line in self.metrics_path.read_text().splitlines():
@@ -177,6 +187,17 @@ class Trainer:
                     pass  # a line cut short by the kill
             self.metrics_path.write_text("".join(ln + "\n" for ln in kept))
         return True
+
+    def _changed_hyperparameters(self, saved: dict) -> dict:
+        """The training settings that differ from the saved run's (but for RESUME_MAY_CHANGE), as {field: [old,
+        new]}; refused unless `override`."""
+        old, new = saved.get("train", {}), self.cfg.to_dict()
+        changed = {k: [old[k], new[k]] for k in new if k in old and old[k] != new[k] and k not in RESUME_MAY_CHANGE}
+        if changed and not self.override:
+            listed = ", ".join(f"--{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in changed.items())
+            raise DiffarError(f"{self.run_dir} was trained with other settings ({listed}); rerun with the saved "
+                              f"ones, or pass --override to continue with the new ones")
+        return changed
 
     def save(self) -> None:
         if self.rank == 0:
