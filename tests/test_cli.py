@@ -229,3 +229,8 @@ def test_bad_speculative_flags(tiny_run, tokenizer_path):
     assert_clean_error(run_cli(*args, "--prompt-lookup", "--k", "0"), "--k: must be in 1..64")
     assert_clean_error(run_cli(*args, "--prompt-lookup", "--draft", tiny_run), "choose one drafter")
     assert_clean_error(run_cli(*args, "--draft", "checkpoints/ar-shakespeare"), "uses another tokenizer")
+
+
+def test_bench_refuses_a_corpus_of_another_task(tiny_run, tmp_path):
+    proc = run_cli("bench", "ar", "--checkpoint", tiny_run, "--corpus", "shakespeare", "--out", tmp_path / "b.json")
+    assert_clean_error(proc, "shakespeare is a continuation corpus but the checkpoint was trained for seq2seq")

@@ -152,8 +152,13 @@ def load_corpus(name_or_path: str, split: str = "train", *, whole: bool = False)
     return corpus if whole else _user_split(corpus, split)
 
 
-def checkpoint_corpus(meta: dict, name: str | None, split: str) -> Corpus:
-    """A split of corpus `name`, or else of the one the checkpoint (its `meta`) was trained on."""
+def checkpoint_corpus(meta: dict, name: str | None, split: str, prompts_only: bool = False) -> Corpus:
+    """A split of corpus `name`, or else of the one the checkpoint (its `meta`) was trained on; refused when its
+    task (seq2seq or continuation) is not the checkpoint's, unless only its texts are read as prompts
+    (`prompts_only`) by an imported model, which was trained on no corpus of diffar's."""
     if not (name or meta["corpus"]):
         raise DiffarError("this checkpoint was imported, not trained on a corpus: name one with --corpus")
-    return load_corpus(name or meta["corpus"], split)
+    corpus = load_corpus(name or meta["corpus"], split)
+    if corpus.task != meta["task"] and not (prompts_only and not meta["corpus"]):
+        raise DiffarError(f"{corpus.name} is a {corpus.task} corpus but the checkpoint was trained for {meta['task']}")
+    return corpus

@@ -83,7 +83,7 @@ def bench_ar(checkpoint: str, corpus_name: str | None, batch_sizes: list[int], n
     if peer is not None and peer not in PEERS:
         raise DiffarError(f"unknown peer {peer!r}; choose one of {', '.join(PEERS)}")
     model, tokenizer, meta = load_for_inference(checkpoint, dtype=dtype, device=device)
-    corpus = checkpoint_corpus(meta, corpus_name, "test")
+    corpus = checkpoint_corpus(meta, corpus_name, "test", prompts_only=True)
     texts = [p.source for p in corpus.pairs] if corpus.task == "seq2seq" else _prompts(corpus, max(batch_sizes))[0]
     model = ar_stream(model)
     base = ARMethod(model, tokenizer, meta["task"])
@@ -284,7 +284,7 @@ def bench_prompt_set(checkpoint: str, prompt_set: str, n_prompts: int, new_token
             if method is not None and name != "ar":
                 drafted, accepted, draft_s = (sum(r.extra.get(key, 0) for r in results)
                                               for key in ("drafted", "accepted", "draft_seconds"))
-                passes, draft_passes = _passes(results, "target"), _passes(results, "draft")
+                draft_passes = _passes(results, "draft")
                 extra.update(k=method.k, draft_acceptance=round(accepted / drafted, 3) if drafted else None,
                              draft_cost_vs_ar_step=round(draft_s / draft_passes / step_s, 3)
                              if draft_passes and step_s else None)
@@ -332,8 +332,6 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
     ar = load_ar(ar_checkpoint, tokenizer, "--ar", task=task, dtype=dtype)
     options = {name: dd2_options(name) for name in methods}
     corpus = checkpoint_corpus(meta, corpus_name, split)
-    if corpus.task != task:
-        raise DiffarError(f"{corpus.name} is a {corpus.task} corpus but the checkpoint was trained for {task}")
     texts, references = _prompts(corpus, n_prompts)
     if not texts:
         raise DiffarError(f"{corpus.name} gives no {split} prompts")
