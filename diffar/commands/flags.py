@@ -90,7 +90,9 @@ def device() -> argparse.ArgumentParser:
 def sampling() -> argparse.ArgumentParser:
     """The budget and sampling flags of the commands that write an AR model's text (generate, chat)."""
     p = _parent()
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128,
+                   help="the most new tokens (an AR model refuses more than its context holds; a DD2 model writes "
+                        "at most its canvas, which the source sets)")
     p.add_argument("--temperature", type=float_in(0, 100), default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int_in(0), default=0, help="0 = no top-k cut")
     p.add_argument("--top-p", type=float_in(0, 1), default=1.0)
