@@ -248,7 +248,7 @@ def test_admission_refuses_what_it_could_not_answer_in_time(tokenizer):
         admitted, refused = asyncio.run(burst())
         assert 8 <= len(admitted) <= 16, len(admitted)
         assert all(len(r.tokens) == 20 for r in admitted)  # everything admitted is answered in full
-        assert all(e.reason == "overloaded" and 1 <= e.retry_after <= 2 for e in refused)
+        assert all(e.reason == "overloaded" and e.retry_after == 1 for e in refused)  # ~0.55 s to drain
         assert engine.queued() == 0 and engine._pending_tokens == 0
     finally:
         engine.stop()

@@ -52,4 +52,5 @@ def run(args) -> None:
                      window_ms=args.batch_window_ms, max_queue=args.max_queue, max_wait_s=args.max_wait_s,
                      max_body_bytes=args.max_body_bytes, api_key=args.api_key or None,
                      allowed_hosts=args.allowed_hosts or [args.host, "localhost", "127.0.0.1"], docs=args.docs)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, backlog=4096)
+    # keep-alive outlasts a Retry-After, so a client that waits one out does not reuse a connection closed under it
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, backlog=4096, timeout_keep_alive=75)

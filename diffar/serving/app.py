@@ -30,6 +30,7 @@ from diffar.serving.requests import APIError, build_request, choice, is_chat_mod
 
 STATIC = Path(__file__).resolve().parent / "static"
 MAX_BODY_BYTES = 1 << 20  # default request body limit: 1 MiB holds any prompt a diffar model reads, many times over
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 OPEN_PATHS = ("/health", "/")  # answered without the API key: liveness, and the page (which then asks for the key)
 MAX_WAIT_S = 3.0  # default bound on a request's estimated wait: beyond it, a 429 with Retry-After
 
@@ -99,7 +100,7 @@ def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int =
     @app.middleware("http")
     async def count(request: HTTPRequest, call_next):
         t0 = time.perf_counter()
-        response = unauthorised(request) or too_large(request) or await call_next(request)
+        response = unauthorised(request) or too_large(request) or busy(request) or await call_next(request)
         path = request.url.path if request.url.path in KNOWN_PATHS else "other"
         metrics.requests.labels(path, str(response.status_code)).inc()
         if response.status_code >= 400:
@@ -132,6 +133,22 @@ def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int =
                                            "invalid_request_error", "request_too_large"), 413)
         return None
 
+    def busy(request: HTTPRequest) -> JSONResponse | None:
+        """A 429 before the body is read or tokenised, when the server would refuse any request now (shedding
+        must cost less than serving); None: go on (`submit` decides again)."""
+        if request.method != "POST" or request.url.path not in GENERATION_PATHS:
+            return None
+        try:
+            engine.admit()
+        except Busy as e:
+            refused = busy_error(e)
+            return JSONResponse(refused.body, refused.status, headers=refused.headers)
+        return None
+
+    def busy_error(e: Busy) -> APIError:
+        return APIError(429, f"{e}; retry later", "rate_limit_error", code=e.reason,
+                        headers={"Retry-After": str(e.retry_after)})
+
     async def watch(req: Request, http: HTTPRequest) -> None:
         """Cancel `req` as soon as its client disconnects: once the body is read, the server's next message
         for this connection is the disconnect. The engine drops a cancelled row at its next batch step."""
@@ -159,8 +176,7 @@ def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int =
         try:
             engine.submit(req)
         except Busy as e:
-            raise APIError(429, f"{e}; retry later", "rate_limit_error", code=e.reason,
-                           headers={"Retry-After": str(e.retry_after)}) from None
+            raise busy_error(e) from None
         except EngineDown:
             raise APIError(503, "the generation worker is down; restart the server", "server_error",
                            code="engine_down") from None

@@ -36,7 +36,8 @@ STEP_SMOOTHING = 0.3  # weight of the newest batch in the running estimate of a 
 
 class Busy(Exception):
     """The engine cannot take the request now (HTTP 429): its line is full (`reason` "queue_full") or the
-    estimated wait exceeds the bound ("overloaded"). `retry_after`: seconds until it likely can."""
+    estimated wait exceeds the bound ("overloaded"). `retry_after`: seconds until the waiting line has drained
+    (not merely fallen under the bound: clients told to come back together would mostly be refused again)."""
 
     def __init__(self, reason: str, message: str, retry_after: int):
         super().__init__(message)
@@ -179,17 +180,22 @@ class Engine:
             raise EngineDown
         request.loop = request.loop or asyncio.get_running_loop()
         with self._lock:
-            wait = self.estimated_wait()
-            if self._waiting >= self.max_queue:
-                raise Busy("queue_full", f"server busy: {self._waiting} requests are waiting, the most it holds",
-                           max(1, math.ceil(wait or 1)))
-            if wait is not None and self.max_wait_s is not None and wait > self.max_wait_s:
-                raise Busy("overloaded", f"server busy: a new request would wait ~{wait:.1f} s, over its bound of "
-                                         f"{self.max_wait_s:g} s", max(1, math.ceil(wait - self.max_wait_s)))
+            self.admit()
             self._waiting += 1
             self._pending_tokens += request.max_tokens
         self.incoming.put(request)
         return request
+
+    def admit(self) -> None:
+        """Raise Busy if a new request should be refused now. It does not depend on the request (its own
+        generation is not part of its wait), so a server may ask before reading a body."""
+        wait = self.estimated_wait()
+        if self._waiting >= self.max_queue:
+            raise Busy("queue_full", f"server busy: {self._waiting} requests are waiting, the most it holds",
+                       max(1, math.ceil(wait or 1)))
+        if wait is not None and self.max_wait_s is not None and wait > self.max_wait_s:
+            raise Busy("overloaded", f"server busy: a new request would wait ~{wait:.1f} s, over its bound of "
+                                     f"{self.max_wait_s:g} s", math.ceil(wait))  # when the line will have drained
 
     def queued(self) -> int:
         return self._waiting
