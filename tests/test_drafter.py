@@ -193,6 +193,22 @@ def test_cli_generate_equals_ar(tiny_drafter, tiny_shakespeare_run):
         assert "drafter passes" in drafted.stderr
 
 
+def test_cli_training_goes_on_from_a_drafter(tiny_drafter, tiny_shakespeare_run, tmp_path):
+    """--init: a new run (more data, say) starts from a trained drafter's weights, not from the target's layers."""
+    data, out = tiny_drafter
+    trained, _, _ = load_checkpoint(out)
+    again = run_cli("train", "refusion", "--drafter", "block", "--ar", tiny_shakespeare_run, "--init", out,
+                    "--corpus", data, "--draft-vocab", "256", "--out", tmp_path / "more", "--max-steps", "1",
+                    "--block-size", "128", *TINY_TRAIN, "--lr", "1e-9")
+    assert again.returncode == 0, again.stderr
+    went_on, _, _ = load_checkpoint(tmp_path / "more")
+    for name, weight in trained.state_dict().items():
+        assert torch.allclose(weight.float(), went_on.state_dict()[name].float(), atol=1e-6), name
+    assert_clean_error(run_cli("train", "refusion", "--drafter", "block", "--ar", tiny_shakespeare_run, "--init", out,
+                               "--corpus", data, "--draft-vocab", "128", "--out", tmp_path / "other", *TINY_TRAIN),
+                       "has another shape")
+
+
 def test_cli_errors(tiny_shakespeare_run, tiny_run, tiny_drafter, tmp_path):
     data, _ = tiny_drafter
     assert_clean_error(run_cli("train", "refusion", "--drafter", "block", "--corpus", data, "--out", tmp_path / "a"),

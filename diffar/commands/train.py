@@ -57,7 +57,8 @@ def _register_refusion(models) -> None:
     rf = models.add_parser("refusion", help="ReFusion: a diffusion stream drafting for a (frozen) AR stream",
                            parents=[flags.training()])
     rf.add_argument("--ar", help="AR checkpoint to start the AR stream from (its tokenizer is used)")
-    rf.add_argument("--init", help="ReFusion checkpoint (e.g. stage 1) to start both streams from")
+    rf.add_argument("--init", help="ReFusion checkpoint (e.g. stage 1) to start both streams from; with --drafter "
+                                   "block, a drafter checkpoint to go on from")
     rf.add_argument("--preset", choices=sorted({*REFUSION_PRESETS, *DRAFTER_PRESETS}),
                     help="the diffusion stream's size (default small; a block drafter's: block)")
     rf.add_argument("--stage", choices=["diffusion", "joint"], default="joint",
@@ -130,12 +131,13 @@ def run_block_drafter(args) -> None:
     """`train refusion --drafter block`: the target (--ar) frozen, the drafter's checkpoint naming it."""
     if not args.ar:
         raise DiffarError("a block drafter drafts for a trained AR model: pass --ar CHECKPOINT")
-    if args.init or args.train_ar or args.stage != "joint":
-        raise DiffarError("--init, --train-ar and --stage apply to the embedding drafter only")
+    if args.train_ar or args.stage != "joint":
+        raise DiffarError("--train-ar and --stage apply to the embedding drafter only")
     if (args.preset or "block") not in DRAFTER_PRESETS:
         raise DiffarError(f"a block drafter's preset is one of {', '.join(DRAFTER_PRESETS)}, not {args.preset}")
     model, tokenizer = setup.drafter_model(
-        args.ar, preset=args.preset or "block", precision=args.precision, seed=args.seed, n_layer=args.draft_layers,
+        args.ar, preset=args.preset or "block", precision=args.precision, seed=args.seed, init=args.init,
+        n_layer=args.draft_layers,
         block=args.block, anchors=args.anchors, draft_vocab=args.draft_vocab, loss_decay=args.loss_decay,
         feature_layers=args.feature_layers and tuple(args.feature_layers))
     data = setup.datasets(tokenizer, args.corpus, args.valid_corpus, model.config.target.max_seq_len, args.block_size)
