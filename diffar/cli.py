@@ -8,8 +8,8 @@ import sys
 
 from diffar.commands import bench, chat, distill, export, generate, loadtest, serve, tokenizer, train
 from diffar.commands import eval as evaluate
-from diffar.commands import import_
-from diffar.errors import DiffarError
+from diffar.commands import flags, import_
+from diffar.errors import DiffarError, Interrupted
 
 COMMANDS = (tokenizer, train, distill, export, import_, generate, chat, evaluate, bench, serve, loadtest)  # in --help's order
 
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    flags.use_threads(args)
     try:
         args.func(args)
     except DiffarError as e:
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # an unwritable --out, a full disk...
         print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(e, file=sys.stderr)
+        return 130
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -84,7 +84,7 @@ def test_resume_refuses_changed_settings_unless_overridden(tokenizer, tmp_path):
     assert meta["train"]["lr"] == 1e-2 and meta["history"] == [{"step": 6, "changed": {"lr": [3e-3, 1e-2]}}]
 
 def test_ctrl_c_saves_and_resumes(tokenizer_path, tmp_path):
-    """A real process: SIGINT finishes the step, saves, exits 2 with a one-line message; rerun completes."""
+    """A real process: SIGINT finishes the step, saves, exits 130 with a one-line message; rerun completes."""
     args = ["train", "ar", "--corpus", "shakespeare", "--tokenizer", tokenizer_path, "--block-size", "64",
             *TINY_TRAIN, "--max-steps", "300", "--save-every", "1000", "--eval-every", "1000"]
     proc = subprocess.Popen([sys.executable, "-m", "diffar.cli", *map(str, args), "--out", str(tmp_path / "run")],
@@ -95,7 +95,8 @@ def test_ctrl_c_saves_and_resumes(tokenizer_path, tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2 and "interrupted at step" in err and "Traceback" not in err
+    assert proc.returncode == 130 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("interrupted at step")  # not "error: ..."
     stopped_at = int(err.split("interrupted at step ")[1].split(";")[0])
     assert 3 <= stopped_at < 300
     assert (tmp_path / "run" / "latest").read_text().strip() == f"ckpt-{stopped_at:07d}"
@@ -103,3 +104,26 @@ def test_ctrl_c_saves_and_resumes(tokenizer_path, tmp_path):
     assert done.returncode == 0, done.stderr
     assert f"resuming at step {stopped_at}" in done.stdout
     assert [r["step"] for r in _losses(tmp_path / "run")] == list(range(1, 301))
+
+
+def test_a_run_folder_takes_one_trainer_at_a_time(tokenizer, tmp_path):
+    import fcntl
+
+    from diffar.errors import DiffarError
+
+    tmp_path.mkdir(exist_ok=True)
+    with open(tmp_path / ".lock", "w") as held:  # another trainer, as far as this one can tell
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(DiffarError, match="another trainer is writing"):
+            _trainer(tokenizer, tmp_path, max_steps=2).fit()
+    assert not (tmp_path / "latest").exists()
+    _trainer(tokenizer, tmp_path, max_steps=2).fit()  # free again
+    assert (tmp_path / "latest").read_text().strip() == "ckpt-0000002"
+
+
+def test_max_steps_at_or_below_the_saved_step_says_so(tokenizer, tmp_path, capsys):
+    _trainer(tokenizer, tmp_path, max_steps=4).fit()
+    capsys.readouterr()
+    metrics = _trainer(tokenizer, tmp_path, max_steps=3).fit()
+    assert "already at step 4, at or past --max-steps 3: nothing to train" in capsys.readouterr().out
+    assert metrics["step"] == 4 and len(_losses(tmp_path)) == 4

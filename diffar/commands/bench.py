@@ -24,8 +24,9 @@ def register(subparsers) -> None:
     b = subparsers.add_parser("bench", help="measure decoding speed; writes JSON records")
     methods = b.add_subparsers(dest="method", required=True, metavar="METHOD")
     json_out = flags.out("JSON file to write")
+    threads = flags.threads()
     bar = methods.add_parser("ar", help="AR with vs without the KV cache, and against transformers' generate",
-                             parents=[flags.dtype(), flags.device(), json_out])
+                             parents=[flags.dtype(), flags.device(), json_out, threads])
     bar.add_argument("--checkpoint", default="checkpoints/ar-kjv2web")
     bar.add_argument("--corpus", help="prompts from this corpus's test split (default: the checkpoint's corpus; an "
                                       "imported model needs one)")
@@ -39,7 +40,7 @@ def register(subparsers) -> None:
 
     draft_length = argparse.ArgumentParser(add_help=False)
     draft_length.add_argument("--k", type=flags.int_in(1, flags.MAX_DRAFT), default=8, help="draft length (block size)")
-    lossless = [_prompts(32, [1]), draft_length, json_out]
+    lossless = [_prompts(32, [1]), draft_length, json_out, threads]
     bsp = methods.add_parser("speculative", help="AR vs lossless prompt-lookup and draft-model decoding",
                              parents=lossless)
     bsp.add_argument("--checkpoint", default="checkpoints/ar-kjv2web")
@@ -63,7 +64,7 @@ def register(subparsers) -> None:
 
     bdd = methods.add_parser("dd2", help="DD2 one-step / few-step / hybrid sampling against AR",
                              parents=[_prompts(128, [1, 16]), flags.seed(),
-                                      flags.dtype(flags.DTYPE_HELP + ", every model alike"), json_out])
+                                      flags.dtype(flags.DTYPE_HELP + ", every model alike"), json_out, threads])
     bdd.add_argument("--checkpoint", default="checkpoints/dd2-kjv2web", help="a DD2 checkpoint")
     bdd.add_argument("--ar", default="checkpoints/ar-kjv2web",
                      help="the AR baseline (and hybrid's continuer, and dd2-NxK's judge)")

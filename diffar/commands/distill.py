@@ -50,7 +50,7 @@ def register(subparsers) -> None:
 
     da = models.add_parser("data", help="a model's own greedy responses, as token ids (a drafter's training data)",
                            parents=[flags.out("a JSONL file; records are appended, a finished source is reused"),
-                                    flags.seed()])
+                                    flags.seed(), flags.threads()])
     da.add_argument("--checkpoint", required=True, help="the AR model (a chat model for --source chat and code)")
     da.add_argument("--source", required=True, choices=SOURCES,
                     help="chat: instructions the model writes itself (Magpie); code: standard-library functions to "
@@ -59,12 +59,10 @@ def register(subparsers) -> None:
     da.add_argument("--max-new-tokens", type=flags.positive_int, default=256)
     da.add_argument("--batch-size", type=flags.positive_int, default=8)
     da.add_argument("--dtype", default="bf16", choices=PRECISIONS, help="the model's precision (default bf16)")
-    da.add_argument("--threads", type=flags.positive_int, help="torch CPU threads")
     da.set_defaults(func=run_data)
 
 
 def run_dd2(args) -> None:
-    flags.use_threads(args)
     torch.manual_seed(args.seed)
     start = setup.dd2_model(args.corpus, args.out, prediction="x0", preset=args.preset, vqvae=args.vqvae,
                             init=args.init, source_encoder=args.source_encoder, canvas_len=args.canvas_len,
@@ -76,7 +74,6 @@ def run_dd2(args) -> None:
 
 
 def run_data(args) -> None:
-    flags.use_threads(args)
     model, tokenizer, meta = load_for_inference(args.checkpoint, dtype=args.dtype)
     if meta["kind"] != "ar":
         raise DiffarError(f"--checkpoint {args.checkpoint} is a {meta['kind']} checkpoint, not an AR one")

@@ -11,7 +11,7 @@ from diffar.commands import flags
 def register(subparsers) -> None:
     e = subparsers.add_parser("eval", help="BLEU-4/chrF/ROUGE-L and perplexity on a corpus split",
                               parents=[flags.split(["train", "valid", "test"], help=None), flags.dtype(),
-                                       flags.out("also write the report as JSON", required=False)])
+                                       flags.out("also write the report as JSON", required=False), flags.threads()])
     e.add_argument("--checkpoint", required=True)
     e.add_argument("--corpus", help="default: the corpus the checkpoint was trained on")
     e.add_argument("--limit", type=flags.positive_int, help="evaluate the first N examples only")

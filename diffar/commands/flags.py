@@ -115,12 +115,11 @@ def split(choices: Sequence[str] = ("valid", "test"), help: str | None = SPLIT_H
 def training() -> argparse.ArgumentParser:
     """A training run: its data, its run folder and threads, and every TrainConfig field as a flag (listed in a
     group of their own, after the model's flags)."""
-    p = _parent()
+    p = argparse.ArgumentParser(add_help=False, parents=[threads()])
     p.add_argument("--corpus", required=True, help=CORPORA)
     p.add_argument("--valid-corpus", help="validation data (default: the corpus's valid split)")
     run = p.add_argument_group("training")
     run.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl)")
-    run.add_argument("--threads", type=positive_int, help="torch CPU threads")
     run.add_argument("--override", action="store_true",
                      help="resume even though training settings (--lr, --batch-size, --seed...) changed; the change "
                           "is recorded in the checkpoint's history")
@@ -136,8 +135,16 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
 
 
+def threads() -> argparse.ArgumentParser:
+    """The CPU threads of a command that computes (default: torch's, one per core); `cli.main` applies it."""
+    p = _parent()
+    p.add_argument("--threads", type=positive_int,
+                   help="torch CPU threads (default: one per core; fewer when other work shares the machine)")
+    return p
+
+
 def use_threads(args: argparse.Namespace) -> None:
-    if args.threads:
+    if getattr(args, "threads", None):
         import torch
 
         torch.set_num_threads(args.threads)

@@ -14,7 +14,7 @@ from diffar.errors import DiffarError
 def register(subparsers) -> None:
     g = subparsers.add_parser("generate", help="generate text from a prompt (argument or stdin), streaming",
                               parents=[flags.seed(), flags.dtype(flags.DTYPE_HELP + ", every model loaded"),
-                                       flags.device(), flags.sampling()])
+                                       flags.device(), flags.sampling(), flags.threads()])
     g.add_argument("--checkpoint", required=True)
     g.add_argument("--tokenizer", help="override the checkpoint's own tokenizer (must be the same one)")
     g.add_argument("--prompt", help="prompt text (default: read stdin)")

@@ -10,7 +10,7 @@ from diffar.commands import flags
 
 def register(subparsers) -> None:
     sv = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with dynamic batching and streaming",
-                               parents=[flags.dtype(), flags.device()])
+                               parents=[flags.dtype(), flags.device(), flags.threads()])
     sv.add_argument("--checkpoint", required=True)
     sv.add_argument("--method", choices=("ar", "dd2", "refusion"),
                     help="decoding method (default: the checkpoint's kind; a ReFusion checkpoint can also serve its AR "

@@ -89,7 +89,6 @@ def _register_refusion(models) -> None:
 
 
 def run_ar(args) -> None:
-    flags.use_threads(args)
     lora = {"rank": args.lora_rank, "alpha": args.lora_alpha} if args.lora_rank else None
     torch.manual_seed(args.seed)  # a new model's weights, or new adapters'
     if args.init:
@@ -110,7 +109,6 @@ def run_ar(args) -> None:
 
 
 def run_refusion(args) -> None:
-    flags.use_threads(args)
     if args.drafter == "block":
         return run_block_drafter(args)
     given = [f"--{n.replace('_', '-')}" for n in ("draft_layers", "feature_layers", "draft_vocab", "loss_decay")
@@ -149,7 +147,6 @@ def run_block_drafter(args) -> None:
 
 
 def run_vqvae(args) -> None:
-    flags.use_threads(args)
     tokenizer = Tokenizer.load(args.tokenizer)
     overrides = {k: getattr(args, k) for k in ("bottleneck", "d_latent", "codebook_size", "groups")
                  if getattr(args, k) is not None}
@@ -161,7 +158,6 @@ def run_vqvae(args) -> None:
 
 
 def run_dd2(args) -> None:
-    flags.use_threads(args)
     torch.manual_seed(args.seed)
     start = setup.dd2_model(args.corpus, args.out, prediction="eps", preset=args.preset, vqvae=args.vqvae,
                             init=args.init, source_encoder=args.source_encoder, canvas_len=args.canvas_len,

@@ -10,6 +10,7 @@ is the mean over all its target tokens, so such runs agree.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -31,7 +32,7 @@ from tqdm import tqdm
 from diffar.checkpoint import read_meta, resolve, save_run_checkpoint
 from diffar.config import Config
 from diffar.data.batching import IGNORE_INDEX
-from diffar.errors import DiffarError
+from diffar.errors import DiffarError, Interrupted
 from diffar.evaluation.metrics import mean_nll, perplexity
 from diffar.tokenizer import Tokenizer
 
@@ -254,9 +255,27 @@ class Trainer:
     def fit(self) -> dict:
         """Train to cfg.max_steps, resuming from the run folder if it holds a checkpoint.
 
-        Ctrl-C (or SIGTERM) finishes the current step, saves, and stops; rerunning resumes exactly.
+        Ctrl-C (or SIGTERM) finishes the current step, saves, and stops; rerunning resumes exactly. The run
+        folder is locked meanwhile: a second trainer on it is refused (their checkpoints and logs would mix).
         """
+        if self.rank != 0:
+            return self._fit()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / ".lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise DiffarError(f"another trainer is writing {self.run_dir}; wait for it or choose another "
+                                  f"--out") from None
+            return self._fit()  # the lock goes with the file's closing
+
+    def _fit(self) -> dict:
         resumed = self.resume()
+        if resumed and self.step >= self.cfg.max_steps:
+            if self.rank == 0:
+                print(f"{self.run_dir} is already at step {self.step}, at or past --max-steps {self.cfg.max_steps}: "
+                      f"nothing to train (raise --max-steps to go on)")
+            return self.last_metrics
         if self.rank == 0:
             n_params = sum(p.numel() for p in self.model.parameters())
             where = f"resuming at step {self.step}" if resumed else "starting"
@@ -295,5 +314,5 @@ class Trainer:
             if self.world > 1:
                 dist.destroy_process_group()
         if stop:
-            raise DiffarError(f"interrupted at step {self.step}; checkpoint saved, rerun the same command to resume")
+            raise Interrupted(f"interrupted at step {self.step}; checkpoint saved, rerun the same command to resume")
         return self.last_metrics
