@@ -78,6 +78,33 @@ def test_bad_jsonl(tmp_path, content, message):
         load_corpus(str(path))
 
 
+PAIRS = [{"source": f"s{i}", "target": f"t{i}"} for i in range(40)]
+JSONL = "".join(json.dumps(r) + "\n" for r in PAIRS)
+
+
+@pytest.mark.parametrize("name, data", [
+    ("pairs.json", JSONL.encode()),  # JSON Lines under a .json name
+    ("pairs.json.gz", gzip.compress(JSONL.encode())),
+    ("pairs.txt", JSONL.encode()),  # the content decides, not the name
+    ("pairs.data", gzip.compress(JSONL.encode())),  # gzip known by its magic bytes
+])
+def test_file_format_is_read_from_the_content(tmp_path, name, data):
+    (tmp_path / name).write_bytes(data)
+    corpus = load_corpus(str(tmp_path / name), "test")
+    assert corpus.task == "seq2seq" and [p.source for p in corpus.pairs] == [r["source"] for r in PAIRS]
+
+
+def test_gzipped_text_and_json_of_neither_shape(tmp_path):
+    (tmp_path / "poem.txt.gz").write_bytes(gzip.compress("Shall I compare thee".encode()))
+    assert load_corpus(str(tmp_path / "poem.txt.gz"), "test").documents == ["Shall I compare thee"]
+    (tmp_path / "doc.json").write_text(json.dumps(PAIRS, indent=1))
+    with pytest.raises(DiffarError, match="is one JSON document; diffar reads JSON Lines"):
+        load_corpus(str(tmp_path / "doc.json"))
+    (tmp_path / "other.jsonl").write_text('{"question": "a", "answer": "b"}\n')
+    with pytest.raises(DiffarError, match="neither \"source\"/\"target\""):
+        load_corpus(str(tmp_path / "other.jsonl"))
+
+
 def test_unknown_corpus_and_unreadable_files(tmp_path):
     with pytest.raises(DiffarError, match="unknown corpus"):
         load_corpus("no-such-corpus")

@@ -1,11 +1,14 @@
 """Corpora: the two embedded ones under data/, and a user's own text or JSONL.
 
 A corpus is either *continuation* (a list of documents) or *seq2seq* (a list of source/target pairs).
-Embedded corpora are named (`shakespeare`, `kjv2web`) and have fixed splits; anything else is a path:
-  - a `.jsonl` / `.jsonl.gz` file of {"source", "target"} records  -> seq2seq
-  - a `.jsonl` / `.jsonl.gz` file of {"prompt_ids", "response_ids"} records (`diffar distill data`: a model's own
-    responses, as token ids of its tokenizer)                      -> continuation, the loss on the responses
-  - a text file, or a folder of `*.txt` files                        -> continuation (one document each)
+Embedded corpora are named (`shakespeare`, `kjv2web`) and have fixed splits; anything else is a path, read by
+its content (gzipped or not, whatever its name):
+  - JSON Lines of {"source", "target"} records                       -> seq2seq
+  - JSON Lines of {"prompt_ids", "response_ids"} records (`diffar distill data`: a model's own responses, as
+    token ids of its tokenizer)                                       -> continuation, the loss on the responses
+  - any other text file, or a folder of `*.txt` files                 -> continuation (one document each)
+A file is JSON Lines when its first line is a JSON object or its name ends in .jsonl/.json (then a parse error
+is an error, not text). Splits of a user's file: see `_user_split`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from pathlib import Path
 from diffar.errors import DiffarError
 
 DATA_DIR = Path(__file__).resolve().parent.parent.parent / "data"
+GZIP_MAGIC = b"\x1f\x8b"  # a gzipped file is recognised by its first bytes, not its name
+JSON_NAMES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")  # read as JSON Lines whatever the first line holds
 EMBEDDED = {"shakespeare": "continuation", "kjv2web": "seq2seq"}
 SPLITS = ("train", "valid", "test")
 
@@ -46,20 +51,45 @@ class Corpus:
         return [t for p in self.pairs for t in (p.source, p.target)]
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    records = []
+def _read(path: Path) -> str:
+    """A file's text, gunzipped when its first bytes say gzip (whatever its name)."""
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise DiffarError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
-    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raw = path.read_bytes()
+        return (gzip.decompress(raw) if raw[:2] == GZIP_MAGIC else raw).decode("utf-8")
+    except (OSError, EOFError, gzip.BadGzipFile, UnicodeDecodeError) as e:
         raise DiffarError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from e
+
+
+def _jsonl(text: str, path: Path) -> list[dict]:
+    records = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                if lineno == 1 and _is_json(text):
+                    raise DiffarError(f"{path} is one JSON document; diffar reads JSON Lines (one object per line, "
+                                      "e.g. {\"source\": ..., \"target\": ...}) or plain text") from None
+                raise DiffarError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
     return records
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
+def _first_record(text: str) -> dict | None:
+    """The first non-blank line as a JSON object, or None if it is not one (plain text)."""
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    try:
+        record = json.loads(first)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def _pairs(records: list[dict], path: Path) -> list[Pair]:
@@ -91,13 +121,6 @@ def _sequences(records: list[dict], path: Path) -> Corpus:
     return Corpus(str(path), "continuation", sequences=sequences, tokenizer=tags.pop())
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DiffarError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from e
-
-
 HOLDOUT_EVERY = 20  # a user's own data: 1 pair in 20, or the last 1/20 of each document, is the valid split
 
 
@@ -127,7 +150,7 @@ def load_corpus(name_or_path: str, split: str = "train", *, whole: bool = False)
         raise DiffarError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
     if name_or_path in EMBEDDED:
         path = DATA_DIR / name_or_path / f"{split}.jsonl.gz"
-        records = _read_jsonl(path)
+        records = _jsonl(_read(path), path)
         if EMBEDDED[name_or_path] == "seq2seq":
             return Corpus(name_or_path, "seq2seq", pairs=_pairs(records, path))
         return Corpus(name_or_path, "continuation", documents=[r["text"] for r in records])
@@ -139,17 +162,30 @@ def load_corpus(name_or_path: str, split: str = "train", *, whole: bool = False)
         files = sorted(path.glob("*.txt"))
         if not files:
             raise DiffarError(f"folder {path} holds no *.txt files")
-        corpus = Corpus(str(path), "continuation", documents=[_read_text(f) for f in files])
-    elif path.name.endswith((".jsonl", ".jsonl.gz")):
-        records = _read_jsonl(path)
-        tokens = bool(records) and isinstance(records[0], dict) and "prompt_ids" in records[0]
-        corpus = _sequences(records, path) if tokens else Corpus(str(path), "seq2seq", pairs=_pairs(records, path))
+        corpus = Corpus(str(path), "continuation", documents=[_read(f) for f in files])
     else:
-        text = _read_text(path)
+        corpus = _file_corpus(path)
+    return corpus if whole else _user_split(corpus, split)
+
+
+def _file_corpus(path: Path) -> Corpus:
+    """A user's file, by its content: JSON Lines (its first line an object, or a .json/.jsonl name) of pairs or
+    token records, else plain text."""
+    text = _read(path)
+    first = _first_record(text)
+    if first is None and not path.name.endswith(JSON_NAMES):
         if not text.strip():
             raise DiffarError(f"{path} is empty")
-        corpus = Corpus(str(path), "continuation", documents=[text])
-    return corpus if whole else _user_split(corpus, split)
+        return Corpus(str(path), "continuation", documents=[text])
+    records = _jsonl(text, path)
+    if not records:
+        raise DiffarError(f"{path} holds no records")
+    if isinstance(records[0], dict) and "prompt_ids" in records[0]:
+        return _sequences(records, path)
+    if isinstance(records[0], dict) and {"source", "target"} & records[0].keys():
+        return Corpus(str(path), "seq2seq", pairs=_pairs(records, path))
+    raise DiffarError(f"{path} is JSON Lines whose records have neither \"source\"/\"target\" (pairs) nor "
+                      f"\"prompt_ids\"/\"response_ids\" (token records)")
 
 
 def checkpoint_corpus(meta: dict, name: str | None, split: str, prompts_only: bool = False) -> Corpus:
