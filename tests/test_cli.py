@@ -190,9 +190,28 @@ def test_eval_refuses_to_test_on_training_data(tokenizer_path, tmp_path):
                    "--out", tmp_path / "run")
     assert proc.returncode == 0, proc.stderr
     assert_clean_error(run_cli("eval", "--checkpoint", tmp_path / "run"), "is the training data itself")
+    bench = ("bench", "speculative", "--checkpoint", tmp_path / "run", "--methods", "ar", "--prompts", "2",
+             "--out", tmp_path / "b.json")
+    assert_clean_error(run_cli(*bench), "is the training data itself")  # a bench scores its text too
     ok = run_cli("eval", "--checkpoint", tmp_path / "run", "--split", "valid")
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["examples"] == 3  # 1 in 20 held out
+    other = tmp_path / "test.jsonl"
+    other.write_text("".join(f'{{"source": "u {i}", "target": "v {i}"}}\n' for i in range(40)))
+    assert_clean_error(run_cli("eval", "--checkpoint", tmp_path / "run", "--corpus", other, "--split", "valid"),
+                       "its 'valid' split would be 1 record in 20 of it")
+    whole = run_cli("eval", "--checkpoint", tmp_path / "run", "--corpus", other)
+    assert whole.returncode == 0 and json.loads(whole.stdout)["examples"] == 40, whole.stderr
+
+
+def test_a_valid_corpus_leaves_the_whole_training_file_to_train_on(tokenizer_path, tmp_path):
+    data, valid = tmp_path / "mine.jsonl", tmp_path / "valid.jsonl"
+    data.write_text("".join(f'{{"source": "s {i}", "target": "t {i}"}}\n' for i in range(40)))
+    valid.write_text("".join(f'{{"source": "v {i}", "target": "w {i}"}}\n' for i in range(5)))
+    proc = run_cli("train", "ar", "--corpus", data, "--valid-corpus", valid, "--tokenizer", tokenizer_path,
+                   *TINY_TRAIN, "--max-steps", "1", "--out", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr
+    assert "40 train examples" in proc.stdout
 
 
 def test_resume_refuses_a_different_model(tiny_run, tmp_path):

@@ -12,8 +12,12 @@ from diffar.data.corpora import EMBEDDED
 from diffar.training.trainer import TrainConfig
 
 DEFAULT_TOKENIZER = Path(__file__).resolve().parents[2] / "tokenizer" / "diffar-8k.json"
-CORPORA = f"an embedded corpus ({', '.join(EMBEDDED)}), a text file/folder, or a JSONL of source/target"
-SPLIT_HELP = "valid for comparing training choices (ablations), test for the reported figures"
+CORPORA = (f"an embedded corpus ({', '.join(EMBEDDED)}; fixed splits), or a file/folder of your own: a text file, "
+           "a folder of *.txt, or JSON Lines of source/target (gzipped or not). A file's splits: train = 19 of every "
+           "20 records (or the first 95%% of each text), valid = the 20th (the last 5%%), test = the whole file "
+           "(so test on a separate file)")
+SPLIT_HELP = ("valid for comparing training choices (ablations), test for the reported figures; of your own file, "
+              "valid is the held-out 1/20 of the training file and test a whole separate file")
 INFERENCE_DTYPES = ("fp32", "bf16", "int8")
 DTYPE_HELP = ("weights and activations at inference; bf16 is faster on CPUs with bf16 matrix units; int8: "
               "int8 weights in the linear layers, bf16 activations (CPU only)")
@@ -117,7 +121,8 @@ def training() -> argparse.ArgumentParser:
     group of their own, after the model's flags)."""
     p = argparse.ArgumentParser(add_help=False, parents=[threads()])
     p.add_argument("--corpus", required=True, help=CORPORA)
-    p.add_argument("--valid-corpus", help="validation data (default: the corpus's valid split)")
+    p.add_argument("--valid-corpus", help="validation data, all of it (default: the corpus's valid split); with it, "
+                                           "nothing of a --corpus file is held out")
     run = p.add_argument_group("training")
     run.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl)")
     run.add_argument("--override", action="store_true",

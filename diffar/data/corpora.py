@@ -189,12 +189,21 @@ def _file_corpus(path: Path) -> Corpus:
 
 
 def checkpoint_corpus(meta: dict, name: str | None, split: str, prompts_only: bool = False) -> Corpus:
-    """A split of corpus `name`, or else of the one the checkpoint (its `meta`) was trained on; refused when its
-    task (seq2seq or continuation) is not the checkpoint's, unless only its texts are read as prompts
-    (`prompts_only`) by an imported model, which was trained on no corpus of diffar's."""
+    """A split of corpus `name`, or else of the one the checkpoint (its `meta`) was trained on, for scoring it.
+    Refused: a corpus of another task (seq2seq or continuation), unless only its texts are read as prompts
+    (`prompts_only`) by an imported model, which was trained on no corpus of diffar's; and, unless
+    `prompts_only`, a user's training file as test data, or a 1-in-20 'valid' slice of any other file."""
     if not (name or meta["corpus"]):
         raise DiffarError("this checkpoint was imported, not trained on a corpus: name one with --corpus")
     corpus = load_corpus(name or meta["corpus"], split)
     if corpus.task != meta["task"] and not (prompts_only and not meta["corpus"]):
         raise DiffarError(f"{corpus.name} is a {corpus.task} corpus but the checkpoint was trained for {meta['task']}")
+    if corpus.name not in EMBEDDED and not prompts_only:
+        own = corpus.name == meta["corpus"]
+        if split == "test" and own:
+            raise DiffarError(f"{corpus.name} is the training data itself: score its held-out part with --split "
+                              f"valid, or pass a separate test file with --corpus")
+        if split == "valid" and not own:
+            raise DiffarError(f"{corpus.name} is not the checkpoint's training data, so its 'valid' split would be "
+                              f"1 record in {HOLDOUT_EVERY} of it: use --split test to score all of it")
     return corpus

@@ -16,7 +16,7 @@ import torch
 
 from diffar.checkpoint import ar_stream, load_for_inference
 from diffar.data.batching import CanvasDataset, build_dataset, canvas_examples
-from diffar.data.corpora import EMBEDDED, checkpoint_corpus
+from diffar.data.corpora import checkpoint_corpus
 from diffar.errors import DiffarError
 from diffar.evaluation.hardware import cpu_name
 from diffar.evaluation.metrics import mean_nll, perplexity, text_metrics
@@ -89,9 +89,6 @@ def evaluate_checkpoint(checkpoint: str, corpus_name: str | None, split: str, li
     if meta["kind"] == "dd2":
         raise DiffarError("a DD2 checkpoint is measured with `diffar bench dd2` (quality and speed side by side)")
     model = ar_stream(model)  # a ReFusion model's text is its AR stream's (lossless decoding)
-    if split == "test" and corpus.name == meta["corpus"] and corpus.name not in EMBEDDED:
-        raise DiffarError(f"{corpus.name} is the training data itself: evaluate its held-out part with "
-                          f"--split valid, or pass a separate test file with --corpus")
     if corpus.task == "seq2seq":
         pairs = corpus.pairs[:limit] if limit else corpus.pairs
         sources, references = [p.source for p in pairs], [p.target for p in pairs]

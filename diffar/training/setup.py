@@ -48,8 +48,9 @@ def _load_kind(path: str, kind: str, flag: str, name: str | None = None):
 
 
 def _corpora(corpus: str, valid_corpus: str | None):
-    """The training corpus and the validation one (its own valid split unless `valid_corpus` is given)."""
-    train = load_corpus(corpus, "train")
+    """The training corpus and the validation one: its own valid split, or all of `valid_corpus` (and then none of
+    a user's training file is held out)."""
+    train = load_corpus(corpus, "train", whole=valid_corpus is not None)
     valid = load_corpus(valid_corpus, "valid", whole=True) if valid_corpus else load_corpus(corpus, "valid")
     if valid.task != train.task:
         raise DiffarError(f"--valid-corpus is a {valid.task} corpus, --corpus a {train.task} one")
