@@ -98,8 +98,11 @@ def save_run_checkpoint(run_dir: Path, step: int, model, meta: dict, tokenizer: 
 
 
 def resolve(path: str | Path) -> Path:
-    """A checkpoint folder, or a run folder (follows its `latest` pointer)."""
+    """A checkpoint folder, or a run folder (follows its `latest` pointer). A relative path that is not there
+    is looked for in the repository too, so `checkpoints/ar-kjv2web` names a shipped model from any folder."""
     path = Path(path)
+    if not path.exists() and not path.is_absolute() and (REPO / path).exists():
+        path = REPO / path
     if (path / "latest").is_file():
         path = path / (path / "latest").read_text().strip()
     if not (path / "config.json").is_file():
@@ -163,11 +166,11 @@ def load_checkpoint(path: str | Path, tokenizer_path: str | Path | None = None
 def target_path(name: str) -> Path:
     """Where a drafter's target lives: its path as recorded, relative to the working folder or else to the
     repository (a shipped drafter names a checkpoint under checkpoints/)."""
-    for path in (Path(name), REPO / name):
-        if path.exists():
-            return path
-    raise DiffarError(f"the AR model this drafter drafts for, {name}, is not there (an imported model: "
-                      f"make smollm2, or diffar import)")
+    try:
+        return resolve(name)
+    except DiffarError:
+        raise DiffarError(f"the AR model this drafter drafts for, {name}, is not there (an imported model: "
+                          f"make smollm2, or diffar import)") from None
 
 
 def drafter_target(path: Path, meta: dict, tokenizer: Tokenizer) -> Transformer:

@@ -4,10 +4,15 @@ and JSON records."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from diffar.commands import flags
 from diffar.data.prompts import SOURCES
 from diffar.errors import DiffarError
+
+SHIPPED_DRAFT = "checkpoints/draft-kjv2web"  # the ar+draft peer's default (found from any folder: checkpoint.resolve)
+DRAFT_HELP = (f"the small AR drafter of the ar+draft peer (default: {SHIPPED_DRAFT} where it shares the model's "
+              "tokenizer; else ar+draft is skipped)")
 
 
 def _prompts(prompts: int, batch_sizes: list[int]) -> argparse.ArgumentParser:
@@ -44,13 +49,13 @@ def register(subparsers) -> None:
     bsp = methods.add_parser("speculative", help="AR vs lossless prompt-lookup and draft-model decoding",
                              parents=lossless)
     bsp.add_argument("--checkpoint", default="checkpoints/ar-kjv2web")
-    bsp.add_argument("--draft", default="checkpoints/draft-kjv2web", help="the small AR drafter")
+    bsp.add_argument("--draft", help=DRAFT_HELP)
     bsp.add_argument("--methods", nargs="+", default=["ar", "ar+prompt-lookup", "ar+draft"])
     bsp.set_defaults(func=run_speculative)
     brf = methods.add_parser("refusion", help="ReFusion lossless decoding against AR and its speculative peers",
                              parents=[*lossless, flags.dtype(), flags.seed()])
     brf.add_argument("--checkpoint", default="checkpoints/refusion-kjv2web", help="a ReFusion checkpoint")
-    brf.add_argument("--draft", default="checkpoints/draft-kjv2web", help="the small AR drafter peer")
+    brf.add_argument("--draft", help=DRAFT_HELP)
     brf.add_argument("--methods", nargs="+",
                      default=["ar", "ar+prompt-lookup", "ar+draft", "refusion", "refusion-dynamic", "refusion-infill"])
     brf.add_argument("--plan-threshold", type=flags.float_in(0, 1), default=0.9, help="refusion-infill: keep drafts this confident")
@@ -74,6 +79,21 @@ def register(subparsers) -> None:
     bdd.set_defaults(func=run_dd2)
 
 
+def _draft_peer(args) -> None:
+    """ar+draft needs a small AR drafter: --draft, or else the shipped one where it shares the model's tokenizer;
+    otherwise the method is left out, and the reason printed."""
+    if "ar+draft" not in args.methods or args.draft:
+        return
+    from diffar.checkpoint import read_meta
+
+    if read_meta(SHIPPED_DRAFT)["tokenizer_sha256"] == read_meta(args.checkpoint)["tokenizer_sha256"]:
+        args.draft = SHIPPED_DRAFT
+        return
+    args.methods = [m for m in args.methods if m != "ar+draft"]
+    print(f"skipping ar+draft: {SHIPPED_DRAFT} uses another tokenizer than {args.checkpoint}; pass --draft "
+          f"CHECKPOINT (a small AR model with its tokenizer) to include it", file=sys.stderr)
+
+
 def run_ar(args) -> None:
     from diffar.evaluation.bench import bench_ar, print_table, write_records
 
@@ -87,6 +107,7 @@ def _lossless(args, **infill) -> None:
     """AR against the lossless draft-and-verify methods; `infill`: refusion-infill's plan settings."""
     from diffar.evaluation.bench import bench_lossless, print_table, write_records
 
+    _draft_peer(args)
     records = bench_lossless(args.checkpoint, args.draft, args.corpus, args.prompts, args.new_tokens, args.k,
                              args.batch_sizes, args.methods, split=args.split, **infill)
     print_table(records)
@@ -104,6 +125,7 @@ def run_refusion(args) -> None:
         return _lossless(args, plan_threshold=args.plan_threshold, plan_slot=args.plan_slot)
     from diffar.evaluation.bench import bench_prompt_set, print_table, write_records
 
+    _draft_peer(args)
     records = bench_prompt_set(args.checkpoint, args.set, args.prompts, args.new_tokens, args.batch_sizes,
                                args.methods, draft=args.draft if "ar+draft" in args.methods else None, k=args.k,
                                temperature=args.temperature, dtype=args.dtype, seed=args.seed, data=args.corpus)

@@ -54,6 +54,12 @@ def _run(method: GenerationMethod, settings, prompts: list[list[int]], batches: 
     return [method.generate([prompts[i] for i in rows], budget(rows), settings, **run) for rows in batches]
 
 
+def _chosen(results: list[GenerationResult]) -> int:
+    """Tokens the AR model chose, each row's end token included (choosing it took a pass): plain AR makes one a
+    pass."""
+    return sum(r.new_tokens + sum(r.ended) for r in results)
+
+
 def _passes(results: list[GenerationResult], kind: str) -> int:
     return sum(r.passes.get(kind, 0) for r in results)
 
@@ -212,7 +218,7 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
                 "plan_threshold": plan_threshold if name == "refusion-infill" else None,
                 "plan_slot": plan_slot if name == "refusion-infill" else None,
                 "k": None if name == "ar" else method.k,
-                "tokens_per_ar_pass": round(sum(map(len, outs)) / row_passes, 3),
+                "tokens_per_ar_pass": round(_chosen(results) / row_passes, 3),
                 "draft_passes": round(_passes(results, "draft") / len(batches)) if name != "ar" else None,
                 "draft_acceptance": round(accepted / drafted, 3) if drafted else None,
                 "exact_match_vs_ar": sum(a == b for a, b in zip(outs, reference_outputs)) / len(outs),
@@ -275,9 +281,8 @@ def bench_prompt_set(checkpoint: str, prompt_set: str, n_prompts: int, new_token
                 results = _run(method, settings, prompts, batches, lambda rows: new_tokens, generator=generator,
                                ignore_eos=not to_eos)
             outs = [t for r in results for t in r.tokens]
-            seconds, new = sum(r.seconds for r in results), sum(map(len, outs))
             if name == "ar":
-                reference, step_s = outs, seconds / _passes(results, "target")
+                reference, step_s = outs, sum(r.seconds for r in results) / _passes(results, "target")
             extra = {"prompt_set": prompt_set, "prompts": len(prompts), "temperature": temperature,
                      "peer": f"transformers {transformers_version()}" if method is None else None,
                      "prompt_lookup_tokens": PEER_LOOKUP if name == "transformers+prompt-lookup" else None}
@@ -290,7 +295,7 @@ def bench_prompt_set(checkpoint: str, prompt_set: str, n_prompts: int, new_token
                              if draft_passes and step_s else None)
             if method is not None:
                 rows_passes = sum(r.passes["target"] * len(r.tokens) for r in results)
-                extra["tokens_per_ar_pass"] = round(new / rows_passes, 3)
+                extra["tokens_per_ar_pass"] = round(_chosen(results) / rows_passes, 3)
             if reference is not None and not temperature:
                 extra["exact_match_vs_ar"] = round(sum(a == b for a, b in zip(outs, reference)) / len(outs), 3)
             records.append(_record(name, prompt_set, prompts, results, batch_size=bs, dtype=dtype, extra=extra))
@@ -379,14 +384,16 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
 
 def print_table(records: list[BenchRecord]) -> None:
     base = {(r.task, r.batch_size): r.tokens_per_s for r in records if r.method == "ar"}
-    print(f"{'method':<18}{'task':<13}{'batch':>6}{'prompt':>8}{'new':>6}{'latency ms':>12}{'tok/s':>10}"
+    m = max([len("method"), *(len(r.method) for r in records)]) + 2  # columns as wide as the longest name
+    t = max([len("task"), *(len(r.task) for r in records)]) + 2
+    print(f"{'method':<{m}}{'task':<{t}}{'batch':>6}{'prompt':>8}{'new':>6}{'latency ms':>12}{'tok/s':>10}"
           f"{'passes':>8}{'vs ar':>8}")
     for r in records:
         speed = r.tokens_per_s / base[r.task, r.batch_size] if (r.task, r.batch_size) in base else float("nan")
-        print(f"{r.method:<18}{r.task:<13}{r.batch_size:>6}{r.prompt_tokens:>8}{r.new_tokens:>6}"
+        print(f"{r.method:<{m}}{r.task:<{t}}{r.batch_size:>6}{r.prompt_tokens:>8}{r.new_tokens:>6}"
               f"{r.latency_ms:>12.1f}{r.tokens_per_s:>10.1f}{r.forward_passes:>8}{speed:>7.2f}x")
         if r.extra:
-            print(f"{'':<18}" + ", ".join(f"{k} {v}" for k, v in r.extra.items() if v is not None))
+            print(" " * m + ", ".join(f"{k} {v}" for k, v in r.extra.items() if v is not None))
     if records:
         print(f"device: {records[0].device}, torch threads: {records[0].torch_threads}, dtype: {records[0].dtype}")
 

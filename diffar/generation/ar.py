@@ -56,7 +56,8 @@ class ARMethod:
     def describe(self, result: GenerationResult, settings) -> tuple[str, str]:
         """(label, account of the passes) of a one-row result, for the speed line."""
         n, passes = result.new_tokens, result.passes["target"]
-        line = f"{passes} AR passes ({n / passes:.2f} tokens/AR pass)"
+        chosen = n + sum(result.ended)  # the end token too: choosing it took a pass
+        line = f"{passes} AR passes ({chosen / passes:.2f} tokens/AR pass)"
         if "drafted" not in result.extra:
             return self.label, line + f" | {'KV cache' if self.use_cache else 'no cache'}"
         return self.label, line + (f" | {result.extra['accepted']}/{result.extra['drafted']} drafts accepted, "
