@@ -1,6 +1,7 @@
 """The CLI end to end on a `tiny` model, and every bad input giving one line and a non-zero exit."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -253,3 +254,25 @@ def test_bad_speculative_flags(tiny_run, tokenizer_path):
 def test_bench_refuses_a_corpus_of_another_task(tiny_run, tmp_path):
     proc = run_cli("bench", "ar", "--checkpoint", tiny_run, "--corpus", "shakespeare", "--out", tmp_path / "b.json")
     assert_clean_error(proc, "shakespeare is a continuation corpus but the checkpoint was trained for seq2seq")
+
+
+def test_plain_ar_makes_one_token_a_pass_end_token_included(tiny_run):
+    proc = run_cli("generate", "--checkpoint", tiny_run, "--prompt", "And God said", "--max-new-tokens", "60")
+    assert proc.returncode == 0 and "(1.00 tokens/AR pass)" in proc.stderr, proc.stderr
+
+
+def test_bench_skips_a_draft_peer_that_cannot_fit(tiny_shakespeare_run, tmp_path):
+    """The shipped drafter uses diffar-8k, the test models a 512-token tokenizer: bench runs without ar+draft
+    and says why (it used to fail on a flag the user never passed)."""
+    proc = run_cli("bench", "speculative", "--checkpoint", tiny_shakespeare_run, "--prompts", "1", "--new-tokens", "4",
+                   "--out", tmp_path / "b.json")
+    assert proc.returncode == 0, proc.stderr
+    assert "skipping ar+draft: checkpoints/draft-kjv2web uses another tokenizer" in proc.stderr
+    assert [r["method"] for r in json.loads((tmp_path / "b.json").read_text())] == ["ar", "ar+prompt-lookup"]
+
+
+def test_shipped_checkpoints_are_found_from_any_folder(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "diffar.cli", "generate", "--checkpoint", "checkpoints/ar-kjv2web",
+                           "--prompt", "And God said", "--max-new-tokens", "3"], capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
