@@ -276,3 +276,14 @@ def test_shipped_checkpoints_are_found_from_any_folder(tmp_path):
                            "--prompt", "And God said", "--max-new-tokens", "3"], capture_output=True, text=True,
                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
+
+
+def test_training_from_scratch_on_little_data_gets_advice(tokenizer_path, tmp_path):
+    data = tmp_path / "es.jsonl"
+    data.write_text("".join(f'{{"source": "number {i}", "target": "muchísimas gracias por el número {i}"}}\n'
+                            for i in range(60)))
+    proc = run_cli("train", "ar", "--corpus", data, "--tokenizer", tokenizer_path, *TINY_TRAIN, "--max-steps", "1",
+                   "--out", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr
+    assert "tokens per word of this corpus under this tokenizer" in proc.stdout
+    assert "is very little data" in proc.stdout and "--init" in proc.stdout

@@ -104,6 +104,9 @@ def run_ar(args) -> None:
         cfg = TransformerConfig.from_preset(args.preset or "small", vocab_size=tokenizer.vocab_size)
         model = Transformer(cfg)
     data = setup.datasets(tokenizer, args.corpus, args.valid_corpus, model.config.max_seq_len, args.block_size)
+    if not args.init:
+        for note in setup.data_advice(args.corpus, tokenizer, data, sum(p.numel() for p in model.parameters())):
+            print(note)
     setup.fit(model, "ar", tokenizer, data, flags.train_config(args), args.out, init=args.init, lora=lora,
               override=args.override)
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from diffar.checkpoint import load_ar, load_checkpoint, read_meta
 from diffar.data.batching import CanvasDataset, PairDataset, WindowDataset, ar_prompt, build_dataset, canvas_examples
-from diffar.data.corpora import load_corpus
+from diffar.data.corpora import EMBEDDED, load_corpus
 from diffar.errors import DiffarError
 from diffar.models.dd2 import DD2Config, DD2Model, same_weights
 from diffar.models.drafter import BlockDrafter, DrafterConfig
@@ -23,6 +23,10 @@ from diffar.models.vqvae import TextVQVAE
 from diffar.tokenizer import Tokenizer
 from diffar.training.distill import teacher_outputs
 from diffar.training.trainer import TrainConfig, Trainer
+
+
+TOKENS_PER_WORD_HIGH = 2.0
+ADVICE_SAMPLE_CHARS = 200_000
 
 
 class Datasets(NamedTuple):
@@ -70,6 +74,30 @@ def datasets(tokenizer: Tokenizer, corpus: str, valid_corpus: str | None, max_se
         if getattr(data, "dropped", 0):
             print(f"note: {data.dropped} {name} pairs longer than the {block}-token block are left out")
     return Datasets(train_data, valid_data, train_corpus.task, train_corpus.name, block)
+
+
+def data_advice(corpus: str, tokenizer: Tokenizer, data: Datasets, n_params: int) -> list[str]:
+    """What a new model on a user's own data should be told before training from scratch: a tokenizer that
+    splits the text finely (tokens per word above TOKENS_PER_WORD_HIGH: train one), and too little data for the
+    model's size (fewer training tokens than a tenth of its parameters: start from a pretrained model)."""
+    if corpus in EMBEDDED:
+        return []
+    notes = []
+    texts = load_corpus(corpus, "train").texts()
+    sample = "\n".join(texts)[:ADVICE_SAMPLE_CHARS]
+    words = len(sample.split())
+    per_word = len(tokenizer.encode(sample)) / words if words else 0.0
+    if per_word > TOKENS_PER_WORD_HIGH:
+        notes.append(f"note: {per_word:.1f} tokens per word of this corpus under this tokenizer (English under "
+                     f"diffar-8k: ~1.3); a tokenizer of its own shortens its sequences (diffar tokenizer train "
+                     f"--corpus {corpus} --out my-tok.json, then --tokenizer my-tok.json)")
+    train = data.train
+    tokens = len(train.tokens) if hasattr(train, "tokens") else sum(map(len, train.seqs))
+    if tokens * 10 < n_params:
+        notes.append(f"warning: {tokens:,} training tokens for a model of {n_params / 1e6:.1f}M parameters trained "
+                     f"from scratch is very little data; expect it to memorise, or fine-tune a pretrained model "
+                     f"(--init checkpoints/smollm2-135m-instruct, after make smollm2)")
+    return notes
 
 
 def canvas_datasets(tokenizer: Tokenizer, corpus: str, valid_corpus: str | None, vq_cfg, *, with_source: bool,
