@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from diffar.checkpoint import ar_stream, load_ar, load_checkpoint, load_for_inference
 from diffar.data.corpora import checkpoint_corpus
@@ -51,7 +52,8 @@ def _run(method: GenerationMethod, settings, prompts: list[list[int]], batches: 
     first batch: a pass at a new shape sets up its kernels, which is not what decoding costs."""
     run = dict(generator=generator, ignore_eos=ignore_eos)
     method.generate([prompts[i] for i in batches[0]], budget(batches[0]), settings, **run)
-    return [method.generate([prompts[i] for i in rows], budget(rows), settings, **run) for rows in batches]
+    return [method.generate([prompts[i] for i in rows], budget(rows), settings, **run)
+            for rows in tqdm(batches, desc=method.name, unit="batch", leave=False, dynamic_ncols=True)]
 
 
 def _chosen(results: list[GenerationResult]) -> int:

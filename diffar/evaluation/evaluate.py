@@ -13,6 +13,7 @@ import dataclasses
 import time
 
 import torch
+from tqdm import tqdm
 
 from diffar.checkpoint import ar_stream, load_for_inference
 from diffar.data.batching import CanvasDataset, build_dataset, canvas_examples
@@ -32,7 +33,8 @@ def translate(method: ARMethod, sources: list[str], batch_size: int) -> tuple[li
     outputs: list[str] = [""] * len(ids)
     seconds, new_tokens = 0.0, 0
     greedy = method.settings(Options())
-    for i in range(0, len(order), batch_size):
+    for i in tqdm(range(0, len(order), batch_size), desc="translating", unit="batch", dynamic_ncols=True,
+                  disable=len(order) <= batch_size):
         rows = order[i:i + batch_size]
         longest = max(len(ids[r]) for r in rows)
         budget = min(method.room(ids[rows[-1]]), 2 * longest + 16)
@@ -102,13 +104,13 @@ def evaluate_checkpoint(checkpoint: str, corpus_name: str | None, split: str, li
                       samples=[{"source": s, "reference": r, "output": o}
                                for s, r, o in list(zip(sources, references, outputs))[:3]])
         dataset = build_dataset(dataclasses.replace(corpus, pairs=pairs), tokenizer, model.config.max_seq_len)
-        nll = mean_nll(model, dataset, batch_size)
+        nll = mean_nll(model, dataset, batch_size, progress=True)
     else:
         block = block_size or meta.get("block_size", model.config.max_seq_len)
         if block > model.config.max_seq_len:
             raise DiffarError(f"a window of {block} tokens exceeds the model's context of {model.config.max_seq_len}")
         dataset = build_dataset(corpus, tokenizer, block)
         report.update(block_size=block, windows=len(dataset.eval_indices(limit or len(dataset))))
-        nll = mean_nll(model, dataset, batch_size, limit)
+        nll = mean_nll(model, dataset, batch_size, limit, progress=True)
     report.update(nll=round(nll, 4), perplexity=round(perplexity(nll), 3))
     return report

@@ -7,6 +7,7 @@ import math
 import sacrebleu
 import torch
 from rouge_score import rouge_scorer
+from tqdm import tqdm
 
 from diffar.data.batching import IGNORE_INDEX
 from diffar.decoding.ar import log_likelihoods
@@ -54,11 +55,12 @@ def perplexity(mean_nll: float) -> float:
 
 @torch.no_grad()
 def mean_nll(model, dataset, batch_size: int, max_examples: int | None = None,
-             device: torch.device | str = "cpu") -> float:
-    """Token-weighted mean negative log-likelihood over the dataset's evaluation examples."""
+             device: torch.device | str = "cpu", progress: bool = False) -> float:
+    """Token-weighted mean negative log-likelihood over the dataset's evaluation examples (`progress`: a bar)."""
     idx = dataset.eval_indices(max_examples or len(dataset))
     total, count = 0.0, 0
-    for i in range(0, len(idx), batch_size):
+    for i in tqdm(range(0, len(idx), batch_size), desc="scoring", unit="batch", dynamic_ncols=True,
+                  disable=not progress):
         batch = {k: v.to(device) for k, v in dataset.batch(idx[i:i + batch_size]).items()}
         n = int((batch["targets"] != IGNORE_INDEX).sum())
         _, loss = model(**batch)

@@ -224,15 +224,16 @@ class Trainer:
         self.model.train()
         return nll
 
-    def train_step(self) -> tuple[float, int]:
-        """One optimizer step on the global batch; returns (mean loss per target token, target tokens)."""
+    def train_step(self) -> tuple[float, int, int]:
+        """One optimizer step on the global batch; returns (mean loss per target token, target tokens, positions
+        read: the whole sequences, prompts and padding included)."""
         cfg, net = self.cfg, self.ddp or self.model
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, cfg)
         micro = self.micro_batches(self.step)
         torch.manual_seed(cfg.seed * 1_000_003 + self.step * 64 + self.rank)  # the model's own draws (resumable)
         counts = [int((b["targets"] != IGNORE_INDEX).sum()) for b in micro]
-        total = self.all_sum([float(sum(counts))])[0]
+        total, positions = self.all_sum([float(sum(counts)), float(sum(b["targets"].numel() for b in micro))])
         # Each micro-batch's mean loss, weighted by its share of the global batch's target tokens. DDP
         # averages gradients over processes, hence the factor `world`.
         loss_sum, parts = 0.0, {}
@@ -250,7 +251,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return loss_sum / total, int(total)
+        return loss_sum / total, int(total), int(positions)
 
     def fit(self) -> dict:
         """Train to cfg.max_steps, resuming from the run folder if it holds a checkpoint.
@@ -290,11 +291,13 @@ class Trainer:
         try:
             while self.step < self.cfg.max_steps and not stop:
                 t0 = time.perf_counter()
-                loss, tokens = self.train_step()
-                tok_s = tokens / (time.perf_counter() - t0)
+                loss, tokens, positions = self.train_step()
+                seconds = time.perf_counter() - t0
+                tok_s, target_s = positions / seconds, tokens / seconds
                 stop = self.all_sum([float(bool(signalled))])[0] > 0  # every process stops at the same step
                 record = {"step": self.step, "loss": round(loss, 6), **self.loss_parts,
-                          "lr": lr_at(self.step - 1, self.cfg), "tokens_per_s": round(tok_s, 1)}
+                          "lr": lr_at(self.step - 1, self.cfg), "tokens_per_s": round(tok_s, 1),
+                          "target_tokens_per_s": round(target_s, 1)}
                 if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.max_steps:
                     val = self.evaluate()
                     record["val_loss"] = round(val, 6)
@@ -303,7 +306,7 @@ class Trainer:
                     self.last_metrics = {k: record[k] for k in ("step", "val_loss", "val_ppl") if k in record}
                 self.log(record)
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}",
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}", target_tok_s=f"{target_s:.0f}",
                                 **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
                 if self.step % self.cfg.save_every == 0 or self.step == self.cfg.max_steps or stop:
                     self.save()
