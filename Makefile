@@ -34,9 +34,9 @@ demo: install smollm2
 	@echo "== DD2, best of 2 samples, the AR model judges"
 	$(DIFFAR) generate --checkpoint checkpoints/dd2-kjv2web --best-of 2 --judge checkpoints/ar-kjv2web \
 		--prompt "And God said, Let there be light: and there was light."
-	@echo "== AR continuing Shakespeare"
+	@echo "== AR continuing Shakespeare, sampling (temperature 0.8, top-p 0.95: greedy text of a small model loops)"
 	printf 'Romeo.\nBut soft! what light through yonder window breaks?\n' | \
-		$(DIFFAR) generate --checkpoint checkpoints/ar-shakespeare --max-new-tokens 128
+		$(DIFFAR) generate --checkpoint checkpoints/ar-shakespeare --max-new-tokens 128 --temperature 0.8 --top-p 0.95
 	@echo "== Chat with SmolLM2-135M-Instruct (imported once by 'make smollm2'), one user message"
 	$(DIFFAR) generate --checkpoint checkpoints/smollm2-135m-instruct --chat --dtype bf16 --max-new-tokens 64 \
 		--prompt "Give me three tips for staying healthy."
