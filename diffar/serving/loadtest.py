@@ -83,7 +83,11 @@ async def _drive(url: str, prompts: list[str], concurrency: int, total: int, max
         end = min(deadline, t0 + client_timeout) if client_timeout else deadline
         attempt = 0
         while True:
-            r = await client.post("/v1/completions", json=body, timeout=max(0.1, end - time.perf_counter()))
+            left = max(0.1, end - time.perf_counter())  # the whole wait (pool, send, answer), not each phase's
+            try:
+                r = await asyncio.wait_for(client.post("/v1/completions", json=body, timeout=left), left)
+            except asyncio.TimeoutError:
+                raise httpx.ReadTimeout("out of patience") from None
             wait = float(r.headers.get("retry-after", 1)) if r.status_code == 429 else 0.0
             if not wait or attempt == max_retries or time.perf_counter() + wait >= end:
                 return r
