@@ -146,6 +146,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def answers_health(url: str, proc: subprocess.Popen, seconds: float = 60) -> bool:
+    """Wait until the server at `url` (run by `proc`) answers /health; False if it died or took too long."""
+    deadline = time.time() + seconds
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return True
+        except httpx.TransportError:
+            time.sleep(0.1)
+    return False
+
+
 @contextlib.contextmanager
 def serving(checkpoint, *flags) -> Iterator[str]:
     """`diffar serve` on a free loopback port: yields its base URL once /health answers, stops it after."""
@@ -156,14 +168,7 @@ def serving(checkpoint, *flags) -> Iterator[str]:
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.1)
-    else:
+    if not answers_health(url, proc):
         proc.kill()
         log.seek(0)
         raise RuntimeError(f"server did not start: {log.read()}")

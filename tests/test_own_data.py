@@ -5,12 +5,11 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, answers_health, free_port
 
 
 def readme_block() -> list[str]:
@@ -35,13 +34,8 @@ def test_the_readme_own_data_walkthrough_runs_as_written(tmp_path):
     server = subprocess.Popen(["bash", "-c", "exec " + serve.replace("8010", str(port))], cwd=tmp_path, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        url, deadline = f"http://127.0.0.1:{port}", time.time() + 60
-        while time.time() < deadline and server.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}"
+        assert answers_health(url, server)
         reply = httpx.post(url + "/v1/completions", json={"prompt": "sun moon tree", "max_tokens": 8}, timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
     finally:
