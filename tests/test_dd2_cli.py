@@ -87,8 +87,8 @@ def test_cli_hybrid_and_bench(tiny_dd2, tiny_run, tmp_path):
 
 def test_cli_bad_input(tiny_dd2, tiny_vqvae, tiny_run, tokenizer_path, tmp_path):
     args = ("generate", "--checkpoint", tiny_dd2 / "x0", "--prompt", "x")
-    assert_clean_error(run_cli(*args, "--steps", "0"), "steps must be positive")
-    assert_clean_error(run_cli(*args, "--guidance", "-1"), "guidance scale must be >= 0")
+    assert_clean_error(run_cli(*args, "--steps", "0"), "--steps: must be in 1..1000")
+    assert_clean_error(run_cli(*args, "--guidance", "-1"), "--guidance: must be a number in [0, 100]")
     assert_clean_error(run_cli(*args, "--preset", "fast"), "invalid choice")
     assert_clean_error(run_cli(*args, "--temperature", "0.5"), "--tau")
     assert_clean_error(run_cli(*args, "--tau", "0.5"), "tau needs more steps")

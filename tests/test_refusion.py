@@ -362,9 +362,9 @@ def test_cli_two_stages(tiny_run, tokenizer_path, tmp_path):
 
 def test_cli_bad_input(tiny_refusion, tiny_run, tmp_path):
     args = ("generate", "--checkpoint", tiny_refusion, "--prompt", "x")
-    assert_clean_error(run_cli(*args, "--k", "0"), "--k must be positive")
-    assert_clean_error(run_cli(*args, "--k", "99"), "exceeds the")
-    assert_clean_error(run_cli(*args, "--steps", "0"), "steps must be positive")
+    assert_clean_error(run_cli(*args, "--k", "0"), "--k: must be in 1..64")
+    assert_clean_error(run_cli(*args, "--k", "60"), "exceeds the")
+    assert_clean_error(run_cli(*args, "--steps", "0"), "--steps: must be in 1..1000")
     assert_clean_error(run_cli("generate", "--checkpoint", tiny_run, "--prompt", "x", "--method", "refusion"),
                        "cannot decode")
     # an AR stream and a diffusion stream that do not belong together: another tokenizer

@@ -24,9 +24,10 @@ def register(subparsers) -> None:
 def run(args) -> None:
     from diffar.evaluation.evaluate import evaluate_checkpoint
 
+    if args.out:  # an unwritable --out fails now, not after the evaluation
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     report = evaluate_checkpoint(args.checkpoint, args.corpus, args.split, args.limit, args.batch_size,
                                  args.block_size, args.dtype)
     print(json.dumps(report, indent=2))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
