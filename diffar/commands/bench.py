@@ -58,13 +58,15 @@ def register(subparsers) -> None:
     brf.add_argument("--draft", help=DRAFT_HELP)
     brf.add_argument("--methods", nargs="+",
                      default=["ar", "ar+prompt-lookup", "ar+draft", "refusion", "refusion-dynamic", "refusion-infill"])
-    brf.add_argument("--plan-threshold", type=flags.float_in(0, 1), default=0.9, help="refusion-infill: keep drafts this confident")
+    brf.add_argument("--plan-threshold", type=flags.float_in(0, 1), default=0.9,
+                     help="refusion-infill: keep drafts this confident")
     brf.add_argument("--plan-slot", type=flags.positive_int, default=1, help="refusion-infill: tokens per planned slot")
     brf.add_argument("--set", choices=SOURCES,
                      help="a chat model's prompt set instead of a corpus: code (HumanEval), chat (a fixed list, then "
                           "held-out self-written instructions), shakespeare (test windows); methods may add the "
                           "peers transformers and transformers+prompt-lookup")
-    brf.add_argument("--temperature", type=flags.float_in(0, 100), default=0.0, help="--set: 0 = greedy, else plain sampling")
+    brf.add_argument("--temperature", type=flags.float_in(0, 100), default=0.0,
+                     help="--set: 0 = greedy, else plain sampling")
     brf.set_defaults(func=run_refusion)
 
     bdd = methods.add_parser("dd2", help="DD2 one-step / few-step / hybrid sampling against AR",

@@ -31,7 +31,8 @@ def register(subparsers) -> None:
                    help=f"refusion: denoising steps per draft; dd2: sampling steps (1..{flags.MAX_STEPS}, default 1)")
     g.add_argument("--adaptive-steps", action="store_true", help="dd2: min(100, 50 + length // 10) steps")
     g.add_argument("--preset", choices=["speed", "quality"], help="dd2: the DD2 seed post's sampling presets")
-    g.add_argument("--guidance", type=flags.float_in(0, 100), help="dd2: classifier-free guidance scale (1 = conditional only)")
+    g.add_argument("--guidance", type=flags.float_in(0, 100),
+                   help="dd2: classifier-free guidance scale (1 = conditional only)")
     g.add_argument("--tau", type=flags.float_in(0, 100), help="dd2: decoding temperature tau_max (0 = argmax)")
     g.add_argument("--tau-min", type=flags.float_in(0, 100), help="dd2: the temperature floor tau_min")
     g.add_argument("--sampler", choices=["ddim", "ddpm"], help="dd2: the scheduler (default ddim)")

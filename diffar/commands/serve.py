@@ -15,7 +15,8 @@ def register(subparsers) -> None:
     sv.add_argument("--method", choices=("ar", "dd2", "refusion"),
                     help="decoding method (default: the checkpoint's kind; a ReFusion checkpoint can also serve its AR "
                          "stream as ar)")
-    sv.add_argument("--model-id", type=flags.text, help="the model name clients use (default: the checkpoint folder's name)")
+    sv.add_argument("--model-id", type=flags.text,
+                    help="the model name clients use (default: the checkpoint folder's name)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=flags.int_in(1, 65535), default=8000)
     sv.add_argument("--max-batch-size", type=flags.positive_int, default=16)

@@ -145,14 +145,15 @@ ERROR_MEANINGS = {
 }
 SSE_EVENT = {"type": "object", "description": "one server-sent event", "required": ["data"],
              "properties": {"data": {"type": "string", "description": "a chunk as JSON, or [DONE] at the end"}}}
-RETRY_AFTER = {"Retry-After": {"description": "seconds after which a retry likely succeeds", "schema": {"type": "integer"}}}
+RETRY_AFTER = {"Retry-After": {"description": "seconds after which a retry likely succeeds",
+                               "schema": {"type": "integer"}}}
 # What the OpenAPI document says each route may answer (FastAPI's default 422 is never sent: invalid bodies get 400).
 GENERATION_RESPONSES = {
     200: {"description": "the completion as JSON, or with `stream: true` server-sent events (`data: {chunk}` lines, "
                          "then `data: [DONE]`)",
           "content": {"application/json": {}, "text/event-stream": {"schema": SSE_EVENT}}},
-    **_errors(400, 401, 404, 411, 413, 429, 503),
+    **_errors(400, 401, 404, 411, 413, 503),
+    429: {**_errors(429)[429], "headers": RETRY_AFTER},
 }
-GENERATION_RESPONSES[429]["headers"] = RETRY_AFTER
 READ_RESPONSES = _errors(400, 401)
 HEALTH_RESPONSES = {503: {"description": "the generation worker is down"}, **_errors(400)}
