@@ -85,6 +85,24 @@ def test_cli_hybrid_and_bench(tiny_dd2, tiny_run, tmp_path):
     assert proc.returncode == 0 and "best of 3 by the decoder] " in proc.stderr and "1 forward passes" in proc.stderr
 
 
+def test_bench_scores_with_a_model_of_another_tokenizer(tiny_dd2, tiny_run, smollm2_checkpoint, tmp_path):
+    """--scorer: SmolLM2 (its own tokenizer) scores greedy AR, sampled AR and one-step DD2 text alike; sampled
+    AR differs from greedy AR; an unknown ar-t method is refused."""
+    out = tmp_path / "scored.json"
+    proc = run_cli("bench", "dd2", "--checkpoint", tiny_dd2 / "x0", "--ar", tiny_run, "--prompts", "3",
+                   "--batch-sizes", "3", "--methods", "ar", "ar-t0.7", "dd2-1", "--split", "valid",
+                   "--scorer", smollm2_checkpoint, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    records = {r["method"]: r for r in json.loads(out.read_text())}
+    assert all(1 < r["extra"]["scorer_perplexity"] < 1e6 for r in records.values())
+    assert (records["ar"]["extra"]["temperature"], records["ar-t0.7"]["extra"]["temperature"]) == (0.0, 0.7)
+    assert records["ar"]["extra"]["scorer_perplexity"] != records["ar-t0.7"]["extra"]["scorer_perplexity"]
+    assert_clean_error(run_cli("bench", "dd2", "--checkpoint", tiny_dd2 / "x0", "--ar", tiny_run, "--methods",
+                               "ar-t0", "--out", tmp_path / "b.json"), "unknown method")
+    assert_clean_error(run_cli("bench", "dd2", "--checkpoint", tiny_dd2 / "x0", "--ar", tiny_run, "--scorer",
+                               tiny_dd2 / "x0", "--out", tmp_path / "b.json"), "must be an AR one")
+
+
 def test_cli_bad_input(tiny_dd2, tiny_vqvae, tiny_run, tokenizer_path, tmp_path):
     args = ("generate", "--checkpoint", tiny_dd2 / "x0", "--prompt", "x")
     assert_clean_error(run_cli(*args, "--steps", "0"), "--steps: must be in 1..1000")

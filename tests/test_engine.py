@@ -252,3 +252,22 @@ def test_admission_refuses_what_it_could_not_answer_in_time(tokenizer):
         assert engine.queued() == 0 and engine._pending_tokens == 0
     finally:
         engine.stop()
+
+
+def test_a_compiled_method_is_warmed_at_every_batch_size_it_pads_to(tokenizer):
+    """A compiled method makes a graph per batch size and pads batches to powers of two: the warm-up runs
+    each of them below the full batch (which the step measure runs), so that no request waits for a compile."""
+
+    class Compiled(Clockwork):
+        compiled = True
+        sizes: list[int] = []
+
+        def generate(self, prompts, budgets, settings, **kwargs):
+            self.sizes.append(len(prompts))
+            return super().generate(prompts, budgets, settings, **kwargs)
+
+    method = Compiled(tokenizer)
+    engine = Engine(method, tokenizer, max_batch_size=6)
+    engine.start()
+    engine.stop()
+    assert method.sizes == [1, 2, 4, 6, 6]

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from conftest import random_model
 from diffar.decoding.ar import generate, log_likelihoods
 from diffar.decoding.sampling import SamplingConfig, probabilities
 from diffar.errors import DiffarError
@@ -63,6 +64,37 @@ def test_sampling_is_seeded(tiny_model):
 
     a, b, c = run(3), run(3), run(4)
     assert a.tokens == b.tokens != c.tokens
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at the standard normal quantile z (3.09: p = 0.999), Wilson-Hilferty."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_noise_determines_the_sample_and_follows_the_ar_law():
+    """Coupled sampling (DD1's noise -> text map): the first two tokens that standard-normal noise determines
+    follow the AR model's joint law at temperature 0.7 with top-p 0.95 (chi-square over the 36 pairs of a
+    6-token vocabulary, 6,000 rows in one batch); the same noise gives the same text, other noise other text."""
+    model, prompt, cfg = random_model(0, vocab=6), [1, 2, 3], SamplingConfig(temperature=0.7, top_p=0.95)
+    with torch.inference_mode():
+        p1 = probabilities(model(torch.tensor([prompt]))[0][:, -1], cfg)[0]
+        joint = torch.stack([p1[a] * probabilities(model(torch.tensor([prompt + [a]]))[0][:, -1], cfg)[0]
+                             for a in range(6)]).flatten().double()
+    n = 6000
+    noise = torch.randn(n, 2, generator=torch.Generator().manual_seed(0))
+    out = generate(model, [prompt] * n, 2, pad_id=0, eos_id=None, sampling=cfg, noise=noise).tokens
+    counts = torch.bincount(torch.tensor([6 * a + b for a, b in out]), minlength=36).double()
+    kept = joint > 0  # top-p may rule pairs out: the coupling must never pick them
+    assert counts[~kept].sum() == 0
+    expected = joint[kept] * n
+    statistic = float(((counts[kept] - expected) ** 2 / expected).sum())
+    assert statistic < chi_square_critical(int(kept.sum()) - 1), statistic
+    again = generate(model, [prompt] * 50, 2, pad_id=0, eos_id=None, sampling=cfg, noise=noise[:50]).tokens
+    assert again == out[:50]
+    other = generate(model, [prompt] * 50, 2, pad_id=0, eos_id=None, sampling=cfg, noise=noise[50:100]).tokens
+    assert other == out[50:100] and other != again
+    with pytest.raises(DiffarError, match="noise must be"):
+        generate(model, [prompt], 3, pad_id=0, eos_id=None, sampling=cfg, noise=noise[:1])
 
 
 def test_top_k_and_top_p_filter_the_distribution():

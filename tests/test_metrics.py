@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diffar.evaluation.metrics import bleu4, chrf, conditional_perplexity, perplexity, repetition, rouge_l, \
-    text_metrics
+    text_metrics, unigram_entropy
 from diffar.models.transformer import Transformer, TransformerConfig
 
 SAME = ["The cat sat on the mat.", "Yahweh is my shepherd: I shall lack nothing."]
@@ -62,6 +62,13 @@ def test_repetition_is_the_share_of_repeated_ngrams():
     # (1 2 3 4) comes back once among 5 four-grams; outputs shorter than n are left out of the mean
     assert repetition([[1, 2, 3, 4, 1, 2, 3, 4], [1, 2]]) == pytest.approx(100 * 1 / 5)
     assert repetition([[1, 2, 1, 2]], n=2) == pytest.approx(100 * 1 / 3)
+
+
+def test_unigram_entropy_is_low_for_collapsed_text():
+    assert unigram_entropy([[7] * 10]) == 0.0
+    assert unigram_entropy([[1, 2, 3, 4]]) == pytest.approx(math.log(4))
+    # averaged over outputs; an empty output is left out
+    assert unigram_entropy([[1, 1, 2, 2], [5, 5], []]) == pytest.approx(math.log(2) / 2)
 
 
 def test_perplexity_is_exp_of_the_mean_nll_capped():

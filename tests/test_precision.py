@@ -1,5 +1,6 @@
-"""Inference precision and device: --device cuda without CUDA is a one-line error; bf16's packed linear
-layers compute what F.linear does; int8 (weight-only) stays close to fp32."""
+"""Inference precision, device and compilation: --device cuda without CUDA is a one-line error; bf16's packed
+linear layers compute what F.linear does; int8 (weight-only) stays close to fp32; a compiled decoding step
+writes what the eager one does."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from diffar.checkpoint import load_checkpoint, load_for_inference
 from diffar.data.corpora import load_corpus
 from diffar.decoding.ar import generate
 from diffar.errors import DiffarError
+from diffar.generation import OptionError, Options, load_method
 from diffar.models.int8_linear import Int8Linear
 from diffar.models.packed_linear import PackedLinear, can_pack, pack_linears
 from diffar.models.precision import model_device, place, resolve_device
@@ -69,3 +71,29 @@ def test_int8_stays_close_to_fp32_on_a_shipped_model():
     nll_a = -a[:, :-1].gather(-1, ids[:, 1:, None]).mean()
     nll_b = -b[:, :-1].gather(-1, ids[:, 1:, None]).mean()
     assert abs(nll_b - nll_a) / nll_a < 0.02, (float(nll_a), float(nll_b))
+
+
+def test_compiled_decoding_is_the_eager_decoding(tiny_run):
+    """--compile: the compiled step writes the eager decoder's greedy text, row for row as run alone in a batch
+    of 3 (padded to 4 rows, the padding dropped); once warm, new lengths make no new graphs; a compiled
+    method refuses the decoders it does not compile."""
+    eager = load_method(str(tiny_run))
+    compiled = load_method(str(tiny_run), compile=True)
+    assert compiled.label == "ar-compile" and compiled.model.decode is not eager.model.decode
+    settings = eager.settings(Options())
+    prompts = [eager.prompt(t) for t in ("In the beginning", "And God said, Let there be light", "Jesus wept")]
+
+    def same(batch: list[list[int]], budget: int) -> None:
+        expected = eager.generate(batch, budget, settings, ignore_eos=True)
+        got = compiled.generate(batch, budget, settings, ignore_eos=True)
+        assert got.tokens == expected.tokens and len(got.tokens) == len(batch) and got.ended == expected.ended
+
+    for batch, budget in (([prompts[0]], 12), ([prompts[1]], 20), (prompts, 16)):
+        same(batch, budget)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for batch, budget in (([prompts[2]], 30), (prompts, 24), (prompts[1:], 9)):  # longer caches, batch 2
+        same(batch, budget)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1  # batch 2 only
+    for flag in ({"prompt_lookup": True}, {"use_cache": False}):
+        with pytest.raises(OptionError, match="compile applies to plain KV-cached AR decoding"):
+            load_method(str(tiny_run), compile=True, **flag)

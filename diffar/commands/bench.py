@@ -35,7 +35,8 @@ def register(subparsers) -> None:
     bar.add_argument("--checkpoint", default="checkpoints/ar-kjv2web")
     bar.add_argument("--corpus", help="prompts from this corpus's test split (default: the checkpoint's corpus; an "
                                       "imported model needs one)")
-    bar.add_argument("--methods", nargs="+", choices=["ar", "ar-nocache"], default=["ar", "ar-nocache"])
+    bar.add_argument("--methods", nargs="+", choices=["ar", "ar-nocache", "ar-compile"], default=["ar", "ar-nocache"],
+                     help="ar-compile: KV-cached AR with its step compiled (--compile; compiled in the warm-up round)")
     bar.add_argument("--peer", choices=["transformers"],
                      help="also time this library's generate on the same weights (greedy text compared with ar's)")
     bar.add_argument("--batch-sizes", type=flags.int_in(1, flags.MAX_BATCH), nargs="+", default=[1, 8])
@@ -76,8 +77,12 @@ def register(subparsers) -> None:
     bdd.add_argument("--ar", default="checkpoints/ar-kjv2web",
                      help="the AR baseline (and hybrid's continuer, and dd2-NxK's judge)")
     bdd.add_argument("--methods", nargs="+", default=["ar", "dd2-1", "dd2-30", "dd2-50", "dd2-100", "dd2-hybrid"],
-                     help="ar, dd2-N (N DDIM steps), dd2-NxK (--ar picks the best of K N-step samples), "
-                          "dd2-NxK-self (the decoder picks), dd2-adaptive, dd2-hybrid, dd2-speed, dd2-quality")
+                     help="ar (greedy), ar-tT (sampled at temperature T), dd2-N (N DDIM steps), dd2-NxK (--ar "
+                          "picks the best of K N-step samples), dd2-NxK-self (the decoder picks), dd2-adaptive, "
+                          "dd2-hybrid, dd2-speed, dd2-quality")
+    bdd.add_argument("--scorer", metavar="AR_CHECKPOINT",
+                     help="a model that did not learn this data (e.g. checkpoints/smollm2-135m-instruct; any "
+                          "tokenizer) scores every method's text: its perplexity of the output given the prompt")
     bdd.set_defaults(func=run_dd2)
 
 
@@ -139,6 +144,6 @@ def run_dd2(args) -> None:
     from diffar.evaluation.bench import bench_dd2, print_table, write_records
 
     records = bench_dd2(args.checkpoint, args.ar, args.corpus, args.prompts, args.new_tokens, args.batch_sizes,
-                        args.methods, args.seed, args.split, args.dtype)
+                        args.methods, args.seed, args.split, args.dtype, args.scorer)
     print_table(records)
     write_records(records, args.out)

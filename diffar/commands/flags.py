@@ -4,6 +4,7 @@ it has the same name, default and help wherever it appears."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -89,6 +90,21 @@ def device() -> argparse.ArgumentParser:
     p = _parent()
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (an error if this machine has none)")
     return p
+
+
+def compile_step() -> argparse.ArgumentParser:
+    """`--compile`: torch.compile of plain AR decoding's step (models/precision.compile_decode)."""
+    p = _parent()
+    p.add_argument("--compile", action="store_true",
+                   help="compile the AR decoding step with torch.compile (plain KV-cached AR only): faster steps "
+                        "after a one-time compile per batch size (tens of seconds on a CPU, cached on disk)")
+    return p
+
+
+def announce_compile(args) -> None:
+    if args.compile:
+        print("--compile: the first decoding step of each batch size compiles (tens of seconds on a CPU the first "
+              "time; later runs read inductor's cache)", file=sys.stderr)
 
 
 def sampling() -> argparse.ArgumentParser:

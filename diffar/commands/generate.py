@@ -14,7 +14,7 @@ from diffar.errors import DiffarError
 def register(subparsers) -> None:
     g = subparsers.add_parser("generate", help="generate text from a prompt (argument or stdin), streaming",
                               parents=[flags.seed(), flags.dtype(flags.DTYPE_HELP + ", every model loaded"),
-                                       flags.device(), flags.sampling(), flags.threads()])
+                                       flags.device(), flags.compile_step(), flags.sampling(), flags.threads()])
     g.add_argument("--checkpoint", required=True)
     g.add_argument("--tokenizer", help="override the checkpoint's own tokenizer (must be the same one)")
     g.add_argument("--prompt", help="prompt text (default: read stdin)")
@@ -142,9 +142,10 @@ def run(args) -> None:
     schedule = DraftSchedule(steps=1 if args.steps is None else args.steps, dynamic=args.dynamic,
                              plan_threshold=args.plan_infill, plan_slot=args.plan_slot, tree=args.tree or 0) \
         if name == "refusion" else None
+    flags.announce_compile(args)
     method = load_method(args.checkpoint, name, dtype=args.dtype, tokenizer=args.tokenizer, draft=args.draft,
                          prompt_lookup=args.prompt_lookup, k=args.k, schedule=schedule, judge=args.judge,
-                         hybrid=args.hybrid, use_cache=not args.no_cache, device=args.device)
+                         hybrid=args.hybrid, use_cache=not args.no_cache, device=args.device, compile=args.compile)
     settings = method.settings(options)
     ids = chat_ids(method, [{"role": "user", "content": text}], args.checkpoint) if args.chat else method.prompt(text)
     if method.room(ids, settings) <= 0:

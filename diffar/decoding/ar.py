@@ -16,7 +16,7 @@ import torch
 
 from diffar.data.batching import pad_right
 from diffar.decoding.result import GenerationResult
-from diffar.decoding.sampling import SamplingConfig, sample_next
+from diffar.decoding.sampling import SamplingConfig, sample_coupled, sample_next
 from diffar.errors import DiffarError
 from diffar.models.precision import model_device
 from diffar.models.transformer import Transformer
@@ -84,10 +84,7 @@ def prefill(model: Transformer, batch: Batch) -> torch.Tensor:
 
 def decode_one_token(model: Transformer, batch: Batch, token: torch.Tensor, slot: int) -> torch.Tensor:
     """Feed one token per row (B,) at cache slot `slot`. Returns next-token logits (B, V)."""
-    logits, _ = model(
-        token.unsqueeze(1), positions=batch.positions(slot, 1), attn_mask=batch.attn_mask(slot, 1), cache_start=slot
-    )
-    return logits[:, -1]
+    return model.decode(token.unsqueeze(1), batch.positions(slot, 1), batch.attn_mask(slot, 1), slot)
 
 
 def decode_n_tokens(
@@ -101,14 +98,19 @@ def decode_n_tokens(
     generator: torch.Generator | None = None,
     step: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
     fixed: list[dict[int, int]] | None = None,
+    noise: torch.Tensor | None = None,
 ) -> tuple[list[list[int]], int, list[bool]]:
     """Sample up to n tokens per row from `logits` onwards; rows stop independently at eos.
 
     `step(token, slot)` produces the next logits; the default is `decode_one_token` on the KV cache.
     `fixed[row]` maps output positions to tokens a person pinned: those are emitted instead of sampled,
-    and decoding continues from them. Returns (new tokens per row, forward passes made, the rows that
-    ended at eos).
+    and decoding continues from them. `noise` (B, n) standard normal, if given, determines each sampled
+    token instead of `generator` (`sample_coupled`). Returns (new tokens per row, forward passes made, the
+    rows that ended at eos).
     """
+    if noise is not None and tuple(noise.shape) != (batch.tokens.shape[0], n):
+        raise DiffarError(f"noise must be (rows, new tokens) = ({batch.tokens.shape[0]}, {n}), "
+                          f"got {tuple(noise.shape)}")
     step = step or (lambda token, slot: decode_one_token(model, batch, token, slot))
     B, slot = batch.tokens.shape
     out: list[list[int]] = [[] for _ in range(B)]
@@ -122,7 +124,8 @@ def decode_n_tokens(
             for row, p in enumerate(last_pin):
                 if p > i:
                     logits[row, eos_id] = float("-inf")
-        token = sample_next(logits, sampling, generator)
+        token = sample_next(logits, sampling, generator) if noise is None else \
+            sample_coupled(logits, sampling, noise[:, i])
         for row, pins in enumerate(fixed or ()):
             if i in pins:
                 token[row] = pins[i]
@@ -170,9 +173,10 @@ def generate(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     fixed: list[dict[int, int]] | None = None,
+    noise: torch.Tensor | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` after each prompt (a list of token ids per row); see
-    `decode_n_tokens` for `fixed` (pinned tokens)."""
+    `decode_n_tokens` for `fixed` (pinned tokens) and `noise` (the tokens a given noise determines)."""
     check_lengths(model, prompts, max_new_tokens)
     batch = Batch.from_prompts(prompts, pad_id, model_device(model))
     t0 = time.perf_counter()
@@ -185,7 +189,7 @@ def generate(
         logits = model(batch.tokens, positions=batch.positions(0, T), attn_mask=batch.attn_mask(0, T))[0][:, -1]
         step = _uncached_step(model, batch)
     tokens, passes, ended = decode_n_tokens(model, batch, logits, max_new_tokens, sampling, eos_id, on_token,
-                                            generator, step, fixed)
+                                            generator, step, fixed, noise)
     return GenerationResult(tokens, time.perf_counter() - t0, {"target": passes + 1}, ended)
 
 

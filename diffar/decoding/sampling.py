@@ -1,4 +1,5 @@
-"""Turning logits into a next token: greedy, temperature, top-k, top-p (nucleus, Holtzman et al. 2019)."""
+"""Turning logits into a next token: greedy, temperature, top-k, top-p (nucleus, Holtzman et al. 2019), drawn
+from a random generator or determined by a given noise value (`sample_coupled`)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,17 @@ def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Gene
     if generator is not None and generator.device != probs.device:  # a CPU generator drives a CUDA model
         return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_coupled(logits: torch.Tensor, cfg: SamplingConfig, noise: torch.Tensor) -> torch.Tensor:
+    """(B, V) logits and (B,) standard-normal noise -> (B,) the token that noise determines: the inverse CDF
+    of the sampling distribution (after temperature, top-k, top-p) at u = Phi(noise). The same noise always
+    gives the same token, and noise drawn from N(0, 1) draws tokens from the distribution: the teacher's
+    sampling made a deterministic function of its noise, as DD1 couples noise and text (arXiv 2412.17153).
+    Greedy ignores the noise."""
+    if cfg.greedy:
+        return logits.argmax(dim=-1)
+    cdf = probabilities(logits, cfg).cumsum(-1)
+    u = torch.special.ndtr(noise.to(cdf.device, torch.float64)).to(cdf.dtype).unsqueeze(-1) * cdf[:, -1:]
+    # right=True: the first token whose CDF passes u, so a token of probability 0 is never chosen
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)

@@ -18,11 +18,12 @@ from diffar.decoding.result import GenerationResult
 from diffar.decoding.speculative import DraftModel, PromptLookup
 from diffar.errors import DiffarError
 from diffar.evaluation.hardware import cpu_name, memory_bandwidth, weight_bytes_per_step
-from diffar.evaluation.metrics import conditional_perplexity, repetition, text_metrics
+from diffar.evaluation.metrics import conditional_perplexity, repetition, text_metrics, unigram_entropy
 from diffar.data.prompts import prompt_set as prompt_set_ids
 from diffar.decoding.sampling import SamplingConfig
 from diffar.evaluation.peers import PEERS, transformers_generate, transformers_llama, transformers_version
 from diffar.generation import ARMethod, DD2Method, GenerationMethod, Options, RefusionMethod
+from diffar.models.precision import compile_decode
 from diffar.models.refusion import RefusionModel
 
 
@@ -79,13 +80,14 @@ def _record(method: str, task: str, prompts: list[list[int]], results: list[Gene
 def bench_ar(checkpoint: str, corpus_name: str | None, batch_sizes: list[int], new_tokens: int,
              repeats: int, dtype: str = "fp32", methods: tuple[str, ...] = ("ar", "ar-nocache"),
              peer: str | None = None, device: str = "cpu") -> list[BenchRecord]:
-    """KV-cached vs uncached greedy AR at a fixed number of new tokens (eos ignored), batch by batch, each
-    after one warm-up run of the same size (a whole run: the first pass at each new length sets up its
-    kernels; in bf16 the first 256-token run took seconds); the median of `repeats` runs, taken in turns
+    """KV-cached vs uncached greedy AR (and the cached one with its step compiled, "ar-compile") at a fixed
+    number of new tokens (eos ignored), batch by batch, each after one warm-up run of the same size (a whole
+    run: the first pass at each new length sets up its kernels, and ar-compile compiles; its seconds are
+    recorded as warm_up_s); the median of `repeats` runs, taken in turns
     (method after method, so that a neighbour's load on a shared machine falls on every method alike).
 
     `peer` ("transformers") adds transformers' `generate` on the same weights, prompts and lengths, with the
-    share of its rows whose greedy text equals diffar's. Every record carries the memory-bandwidth ceiling:
+    share of its rows whose greedy text equals diffar's (ar-compile's is compared alike). Every record carries the memory-bandwidth ceiling:
     bandwidth / bytes of weights a step reads, times the batch (one step reads the weights once for all rows).
     Prompts: seq2seq sources, or 300-character windows of the continuation corpus's test works."""
     if peer is not None and peer not in PEERS:
@@ -95,7 +97,12 @@ def bench_ar(checkpoint: str, corpus_name: str | None, batch_sizes: list[int], n
     texts = [p.source for p in corpus.pairs] if corpus.task == "seq2seq" else _prompts(corpus, max(batch_sizes))[0]
     model = ar_stream(model)
     base = ARMethod(model, tokenizer, meta["task"])
-    runners = {name: ARMethod(model, tokenizer, meta["task"], use_cache=name == "ar") for name in methods}
+    runners = {name: ARMethod(model, tokenizer, meta["task"], use_cache=name == "ar") for name in methods
+               if name != "ar-compile"}
+    if "ar-compile" in methods:  # a second copy of the weights, so that "ar" stays the eager decoder
+        compiled = ar_stream(load_for_inference(checkpoint, dtype=dtype, device=device)[0])
+        compile_decode(compiled)
+        runners["ar-compile"] = ARMethod(compiled, tokenizer, meta["task"], compiled=True)
     if peer:
         hf = transformers_llama(model, tokenizer.pad_id)
         runners[peer] = lambda prompts: transformers_generate(hf, prompts, new_tokens, tokenizer.pad_id)
@@ -104,25 +111,28 @@ def bench_ar(checkpoint: str, corpus_name: str | None, batch_sizes: list[int], n
     records = []
     for bs in batch_sizes:
         prompts = [base.prompt(t) for t in (texts * bs)[:bs]]
-        runs = {name: [] for name in runners}
-        for i in range(repeats + 1):  # the first round warms up
+        runs, warm_up = {name: [] for name in runners}, {}
+        for i in range(repeats + 1):  # the first round warms up (and compiles)
             for name, runner in runners.items():
                 result = runner(prompts) if name == peer else runner.generate(
                     prompts, new_tokens, runner.settings(Options()), ignore_eos=True)
                 if i:
                     runs[name].append(result)
+                else:
+                    warm_up[name] = result.seconds
         ceiling = bs * bandwidth * 1e9 / weights
         for name, results in runs.items():
             median = sorted(results, key=lambda r: r.seconds)[len(results) // 2]
             extra = {"bandwidth_gb_s": round(bandwidth, 1), "weight_mb_per_step": round(weights / 1e6, 1),
-                     "ceiling_tokens_per_s": round(ceiling, 1), "device_kind": device}
+                     "ceiling_tokens_per_s": round(ceiling, 1), "device_kind": device,
+                     "warm_up_s": round(warm_up[name], 2)}
             if name == peer:
-                reference = runs["ar"][0].tokens if "ar" in runs else None
                 extra["peer"] = f"transformers {transformers_version()} generate (sdpa, greedy)"
-                if reference is not None:
-                    extra["identical_rows"] = round(sum(a == b for a, b in zip(median.tokens, reference)) / bs, 3)
-                    extra["tokens_before_first_difference"] = round(sum(_agree(a, b) for a, b in zip(
-                        median.tokens, reference)) / bs, 1)
+            if name in (peer, "ar-compile") and "ar" in runs:  # greedy text against the eager decoder's
+                reference = runs["ar"][0].tokens
+                extra["identical_rows"] = round(sum(a == b for a, b in zip(median.tokens, reference)) / bs, 3)
+                extra["tokens_before_first_difference"] = round(sum(_agree(a, b) for a, b in zip(
+                    median.tokens, reference)) / bs, 1)
             records.append(_record(name, Path(corpus.name).name, prompts, [median], batch_size=bs, dtype=dtype,
                                    extra=extra))
             records[-1].extra["share_of_ceiling"] = round(records[-1].tokens_per_s / ceiling, 3)
@@ -311,27 +321,34 @@ DD2_METHODS = {  # name -> options (None: plain AR); dd2-hybrid: one step for 50
 
 
 def dd2_options(name: str) -> Options | None:
-    """The options a bench method name stands for: one of DD2_METHODS, dd2-N (N DDIM steps), dd2-NxK (the
-    best of K N-step samples by the AR model) or dd2-NxK-self (by the generator's own decoder)."""
+    """The options a bench method name stands for: one of DD2_METHODS, ar-tT (AR sampled at temperature T),
+    dd2-N (N DDIM steps), dd2-NxK (the best of K N-step samples by the AR model) or dd2-NxK-self (by the
+    generator's own decoder)."""
     if name in DD2_METHODS:
         return DD2_METHODS[name]
+    match = re.fullmatch(r"ar-t([0-9]*\.?[0-9]+)", name)
+    if match and 0 < float(match[1]) <= 100:
+        return Options(temperature=float(match[1]))
     match = re.fullmatch(r"dd2-([0-9]+)(?:x([0-9]+)(-self)?)?", name)
     if match and int(match[1]) > 0 and int(match[2] or 1) > 0:
         return Options(steps=int(match[1]), best_of=int(match[2] or 1))
     raise DiffarError(f"unknown method {name!r}; choose dd2-N (N sampling steps), dd2-NxK (the AR model's pick of "
-                      f"K N-step samples), dd2-NxK-self (the decoder's own pick) or {', '.join(DD2_METHODS)}")
+                      f"K N-step samples), dd2-NxK-self (the decoder's own pick), ar-tT (AR sampled at temperature "
+                      f"T) or {', '.join(DD2_METHODS)}")
 
 
 def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_prompts: int, new_tokens: int,
               batch_sizes: list[int], methods: list[str], seed: int = 0, split: str = "test",
-              dtype: str = "fp32") -> list[BenchRecord]:
+              dtype: str = "fp32", scorer: str | None = None) -> list[BenchRecord]:
     """Greedy AR (KV cache) against DD2 sampling with 1/30/50/100 steps, the DD2 seed post's presets and
     hybrid sampling, on the same prompts in the same batches, from `split` (valid when comparing training
     choices, so that no choice is tuned on the test split). seq2seq: the sources, AR stops at eos (`_budget`),
     DD2 fills its canvas; continuation: exactly `new_tokens` per row from every method (DD2 canvas after
     canvas). Quality: BLEU-4, chrF and ROUGE-L against the references, and for continuation the AR model's
-    perplexity of each method's output and its repetition (seq-rep-4). `dtype` applies to both models (the
-    baseline's speed and text change with it too)."""
+    perplexity of each method's output, its repetition (seq-rep-4) and unigram entropy. `scorer`: an AR
+    checkpoint with any tokenizer, a model diffar did not train on this data (an imported one), whose
+    perplexity of each output given its prompt text (both re-tokenized by it) every record gets as
+    `scorer_perplexity`. `dtype` applies to every model (the baseline's speed and text change with it too)."""
     model, tokenizer, meta = load_for_inference(checkpoint, dtype=dtype)
     if meta["kind"] != "dd2":
         raise DiffarError(f"{checkpoint} is a {meta['kind']} checkpoint; bench dd2 needs a DD2 one")
@@ -353,12 +370,19 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
                               f"{model.config.max_source_len} tokens")
     baseline = ARMethod(ar, tokenizer, task)
     ar_prompts = [baseline.prompt(t) for t in texts]
+    if scorer is not None:
+        judge, judge_tokenizer, judge_meta = load_for_inference(scorer, dtype=dtype)
+        if judge_meta["kind"] != "ar":
+            raise DiffarError(f"--scorer {scorer} is a {judge_meta['kind']} checkpoint; it must be an AR one")
+        judge = ARMethod(judge, judge_tokenizer, "continuation")
+        judge_prompts = [judge.prompt(t) for t in texts]
     budget = _budget(ar_prompts, new_tokens, seq2seq)
     records = []
     for bs in batch_sizes:
         batches = _batches(len(texts), bs)
         for name in methods:
-            if options[name] is None:
+            dd2 = name.startswith("dd2")
+            if not dd2:
                 method = baseline
             else:  # the AR model judges best-of-n samples (but for -self) and continues hybrid's prefix
                 method = DD2Method(model, tokenizer, task, judge=None if name.endswith("-self") else ar,
@@ -368,7 +392,6 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
                            generator=torch.Generator().manual_seed(seed), ignore_eos=not seq2seq)
             outs = [t for r in results for t in r.tokens]
             steps, taus = ({r.extra.get(key) for r in results} for key in ("steps", "tau"))
-            dd2 = options[name] is not None
             extra = {"split": split, "prompts": len(texts), "steps": steps.pop() if len(steps) == 1 else "adaptive",
                      "best_of": settings.best_of if dd2 else None,
                      "judge": ("decoder" if method.judge is None else "ar") if dd2 and settings.best_of > 1 else None,
@@ -376,9 +399,16 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
                      "tau_max": settings.tau_max if dd2 else None,
                      "tau": (round(taus.pop(), 4) if len(taus) == 1 else "adaptive") if dd2 else None,
                      **text_metrics([tokenizer.decode(o).strip() for o in outs], references)}
+            if not dd2:
+                extra["temperature"] = settings.temperature
             if not seq2seq:
                 extra["ar_perplexity"] = round(conditional_perplexity(ar, ar_prompts, outs), 2)
                 extra["seq_rep4"] = round(repetition(outs), 1)
+                extra["unigram_entropy"] = round(unigram_entropy(outs), 3)
+            judged = [judge_tokenizer.encode(tokenizer.decode(o)) for o in outs] if scorer is not None else []
+            if any(judged):
+                extra["scorer_perplexity"] = round(conditional_perplexity(
+                    judge.model, [p for p, o in zip(judge_prompts, judged) if o], [o for o in judged if o]), 2)
             records.append(_record(name, Path(corpus.name).name, ar_prompts, results, batch_size=bs, dtype=dtype,
                                    extra=extra))
     return records

@@ -49,6 +49,19 @@ def repetition(outputs: list[list[int]], n: int = 4) -> float:
     return 100 * sum(scores) / max(1, len(scores))
 
 
+def unigram_entropy(outputs: list[list[int]]) -> float:
+    """The entropy (nats) of each output's token frequencies, averaged over outputs that have any: low for
+    text that repeats a few tokens (a collapsed generator), near the language's own for varied text. With
+    a judge's perplexity and seq-rep-4 (as DD1 and MDLM report generated text), degenerate text cannot score
+    well on all three."""
+    scores = []
+    for out in outputs:
+        if out:
+            p = torch.bincount(torch.tensor(out)).double() / len(out)
+            scores.append(float(-(p[p > 0] * p[p > 0].log()).sum()))
+    return sum(scores) / max(1, len(scores))
+
+
 def perplexity(mean_nll: float) -> float:
     return math.exp(min(mean_nll, 50.0))
 

@@ -11,6 +11,7 @@ from diffar.errors import DiffarError
 from diffar.generation.ar import ARMethod, RefusionMethod
 from diffar.generation.dd2 import DD2Method
 from diffar.generation.method import GenerationMethod, OptionError, Options
+from diffar.models.precision import compile_decode
 
 METHODS: dict[str, type] = {"ar": ARMethod, "refusion": RefusionMethod, "dd2": DD2Method}
 
@@ -32,15 +33,17 @@ def resolve_method(checkpoint: str, method: str | None = None) -> str:
 def load_method(checkpoint: str, method: str | None = None, *, dtype: str = "fp32", tokenizer: str | None = None,
                 draft: str | None = None, prompt_lookup: bool = False, k: int | None = None,
                 schedule: DraftSchedule | None = None, judge: str | None = None, hybrid: str | None = None,
-                use_cache: bool = True, device: str = "cpu") -> GenerationMethod:
+                use_cache: bool = True, device: str = "cpu", compile: bool = False) -> GenerationMethod:
     """The generation method `method` (default: the checkpoint's own) over a checkpoint, with what it works
     with: an AR drafter (`draft` checkpoint or `prompt_lookup`, verifying `k` drafts a pass), ReFusion's draft
     `schedule`, DD2's best-of `judge` or `hybrid` continuer (AR checkpoints). Every model loads in `dtype`
-    (fp32, bf16, fp16, int8) on `device` (cpu, cuda), and decodes there."""
+    (fp32, bf16, fp16, int8) on `device` (cpu, cuda), and decodes there; `compile` compiles plain AR decoding's
+    step (models/precision.compile_decode)."""
     method = resolve_method(checkpoint, method)
     given = {"draft": draft, "prompt_lookup": prompt_lookup, "schedule": schedule, "judge": judge, "hybrid": hybrid,
-             "no_cache": not use_cache}
-    takes = {"ar": {"draft", "prompt_lookup", "no_cache"}, "refusion": {"schedule"}, "dd2": {"judge", "hybrid"}}
+             "no_cache": not use_cache, "compile": compile}
+    takes = {"ar": {"draft", "prompt_lookup", "no_cache", "compile"}, "refusion": {"schedule"},
+             "dd2": {"judge", "hybrid"}}
     for name, value in given.items():
         if value and name not in takes[method]:
             owner = next(m for m, names in takes.items() if name in names)
@@ -55,6 +58,11 @@ def load_method(checkpoint: str, method: str | None = None, *, dtype: str = "fp3
         return RefusionMethod(model, tok, task, schedule=schedule or DraftSchedule(), k=k)
     if draft and prompt_lookup:
         raise OptionError("draft", "choose one drafter: a draft model or prompt lookup")
+    if compile and (draft or prompt_lookup or not use_cache):
+        raise OptionError("compile", "compile applies to plain KV-cached AR decoding, not to a drafter's or the "
+                                     "uncached decoder")
+    if compile:
+        compile_decode(ar_stream(model))
     proposer = PromptLookup() if prompt_lookup else DraftModel(load_ar(draft, tok, "draft", **alike)) \
         if draft else None
-    return ARMethod(ar_stream(model), tok, task, proposer=proposer, k=k or 8, use_cache=use_cache)
+    return ARMethod(ar_stream(model), tok, task, proposer=proposer, k=k or 8, use_cache=use_cache, compiled=compile)

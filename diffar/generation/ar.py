@@ -5,6 +5,8 @@ plan-and-infill aside)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from diffar.data.batching import prompt_ids
 from diffar.decoding.ar import generate
 from diffar.decoding.refusion import DraftSchedule, refusion_generate
@@ -24,11 +26,14 @@ class ARMethod:
     options = frozenset({"temperature", "top_k", "top_p"})
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, task: str, *, proposer: Proposer | None = None,
-                 k: int = 8, use_cache: bool = True, adaptive: bool = False):
+                 k: int = 8, use_cache: bool = True, adaptive: bool = False, compiled: bool = False):
+        """`compiled`: the model's decoding step is compiled (models/precision.compile_decode), whose graphs are
+        made per batch size: batches are padded to a power of two so that a few graphs serve every size."""
         self.model, self.tokenizer, self.task = model, tokenizer, task
         self.proposer, self.k, self.use_cache, self.adaptive = proposer, k, use_cache, adaptive
+        self.compiled = compiled
         self.drafter = proposer and proposer.name  # what drafts, for the speed line
-        self.label = "ar" if proposer is None else f"ar+{proposer.name}"
+        self.label = ("ar-compile" if compiled else "ar") if proposer is None else f"ar+{proposer.name}"
 
     def prompt(self, text: str) -> list[int]:
         return prompt_ids(self.tokenizer, self.task, text)
@@ -45,11 +50,18 @@ class ARMethod:
 
     def generate(self, prompts: list[list[int]], budgets: int | list[int], settings: SamplingConfig, *,
                  on_token=None, on_step=None, generator=None, fixed=None, ignore_eos: bool = False) -> GenerationResult:
-        budgets = per_row(budgets, len(prompts))
+        budgets, rows = per_row(budgets, len(prompts)), len(prompts)
+        if self.compiled and rows & (rows - 1):  # pad with one-token rows up to a power of two
+            filler = (1 << rows.bit_length()) - rows
+            prompts, budgets = prompts + [prompts[0]] * filler, budgets + [1] * filler
+            fixed = fixed and fixed + [{}] * filler
+            given = on_token
+            on_token = given and (lambda row, token: row < rows and given(row, token))
         decode = dict(eos_id=None if ignore_eos else self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
                       sampling=settings, generator=generator, on_token=within_budgets(budgets, on_token), fixed=fixed)
         if self.proposer is None:
-            return generate(self.model, prompts, max(budgets), use_cache=self.use_cache, **decode)
+            result = generate(self.model, prompts, max(budgets), use_cache=self.use_cache, **decode)
+            return replace(result, tokens=result.tokens[:rows], ended=result.ended[:rows])
         return speculative_generate(self.model, self.proposer, prompts, max(budgets), k=self.k, adaptive=self.adaptive,
                                     **decode)
 

@@ -195,6 +195,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.gradient_checkpointing = False  # recompute block activations in backward (less memory, ~1/3 slower)
+        self.kv_pool: dict[int, list[KVCache]] | None = None  # KV caches by batch size, once compiled
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -212,12 +213,28 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def setup_cache(self, batch_size: int, max_len: int | None = None) -> None:
-        """Allocate (or reallocate) a KV cache of `max_len` slots per layer."""
+        """Give every layer a KV cache of at least `max_len` slots for `batch_size` rows. One left by an earlier
+        call is kept when it fits (its stale slots are never read: a decoder attends to the slots it wrote).
+
+        With the decoding step compiled (`kv_pool` set, models/precision.compile_decode), each graph is bound
+        to the cache tensors it was traced with: every batch size keeps its own caches in the pool, grown to
+        powers of two, so that a warm server meets no new graph."""
         max_len = max_len or self.config.max_seq_len
-        dtype = self.tok_emb.weight.dtype
-        for block in self.blocks:
-            block.attn.kv_cache = KVCache(batch_size, self.config.n_kv_head, max_len, self.config.head_dim,
-                                          dtype).to(self.tok_emb.weight.device)
+        weight = self.tok_emb.weight
+        caches = [block.attn.kv_cache for block in self.blocks]
+        if self.kv_pool is not None:
+            caches = self.kv_pool.get(batch_size, caches)
+        cache = caches[0]
+        if cache is None or cache.k.shape[0] != batch_size or cache.max_len < max_len \
+                or (cache.k.dtype, cache.k.device) != (weight.dtype, weight.device):
+            if self.kv_pool is not None:
+                max_len = max(256, 1 << (max_len - 1).bit_length())
+            caches = [KVCache(batch_size, self.config.n_kv_head, max_len, self.config.head_dim, weight.dtype)
+                      .to(weight.device) for _ in self.blocks]
+            if self.kv_pool is not None:
+                self.kv_pool[batch_size] = caches
+        for block, cache in zip(self.blocks, caches):
+            block.attn.kv_cache = cache
 
     def hidden_states(
         self,
@@ -244,7 +261,8 @@ class Transformer(nn.Module):
         if positions is None:
             start = cache_start or 0
             positions = torch.arange(start, start + T, device=x.device).expand(B, T)
-        if int(positions.max()) >= self.config.max_seq_len:
+        # (a compiled decoding step skips the check, which would sync: its decoder checked the lengths first)
+        if not torch.compiler.is_compiling() and int(positions.max()) >= self.config.max_seq_len:
             raise DiffarError(f"sequence longer than the model's context ({self.config.max_seq_len} tokens)")
         cos, sin = rope_angles(self.rope_cos, self.rope_sin, positions, x.dtype)
         for i, block in enumerate(self.blocks):
@@ -290,3 +308,10 @@ class Transformer(nn.Module):
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1),
                                    ignore_index=IGNORE_INDEX)
         return logits, loss
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, attn_mask: torch.Tensor | None,
+               cache_start: int) -> torch.Tensor:
+        """One cached decoding step: tokens (B, 1) at cache slot `cache_start` -> next-token logits (B, V). The
+        pass a decoder repeats per token, and the one `--compile` compiles (models/precision.compile_decode)."""
+        h = self.hidden_states(tokens, positions=positions, attn_mask=attn_mask, cache_start=cache_start)
+        return self.lm_head(h[:, -1])

@@ -254,11 +254,17 @@ class Engine:
 
     def _warm_up(self) -> None:
         """A full batch of a few tokens before the first request: the method's buffers made, and a first
-        measure of a decoding step at full batch for admission control. A failure only skips the measure."""
+        measure of a decoding step at full batch for admission control; a compiled method's graphs made for
+        every batch size it pads to (powers of two), so that no request waits for a compile. A failure only
+        skips the measure."""
         try:
             settings = self.method.settings(Options())
             ids = self.method.prompt("Hello")
             budget = min(WARMUP_TOKENS, self.method.room(ids, settings))
+            size = 1
+            while getattr(self.method, "compiled", False) and size < self.max_batch_size and budget > 1:
+                self.method.generate([ids] * size, 2, settings)  # the second token is the first compiled step
+                size *= 2
             for _ in range(2 if budget > 0 else 0):  # the first call pays one-time costs: measure the second
                 t0 = time.perf_counter()
                 result = self.method.generate([ids] * self.max_batch_size, budget, settings)
