@@ -14,8 +14,8 @@ from diffar.errors import DiffarError
 
 def register(subparsers) -> None:
     c = subparsers.add_parser("chat", help="chat with a chat model: user turns from stdin, answers streamed",
-                              parents=[flags.seed(), flags.dtype(), flags.device(), flags.compile_step(), flags.sampling(),
-                                       flags.threads()])
+                              parents=[flags.seed(), flags.dtype(), flags.device(), flags.compile_step(),
+                                       flags.sampling(), flags.threads()])
     c.add_argument("--checkpoint", required=True)
     c.add_argument("--system", help="a system message that opens the conversation")
     c.set_defaults(func=run)

@@ -87,8 +87,9 @@ def bench_ar(checkpoint: str, corpus_name: str | None, batch_sizes: list[int], n
     (method after method, so that a neighbour's load on a shared machine falls on every method alike).
 
     `peer` ("transformers") adds transformers' `generate` on the same weights, prompts and lengths, with the
-    share of its rows whose greedy text equals diffar's (ar-compile's is compared alike). Every record carries the memory-bandwidth ceiling:
-    bandwidth / bytes of weights a step reads, times the batch (one step reads the weights once for all rows).
+    share of its rows whose greedy text equals diffar's (ar-compile's is compared alike). Every record carries
+    the memory-bandwidth ceiling: bandwidth / bytes of weights a step reads, times the batch (one step reads the
+    weights once for all rows).
     Prompts: seq2seq sources, or 300-character windows of the continuation corpus's test works."""
     if peer is not None and peer not in PEERS:
         raise DiffarError(f"unknown peer {peer!r}; choose one of {', '.join(PEERS)}")
