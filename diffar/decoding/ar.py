@@ -108,9 +108,6 @@ def decode_n_tokens(
     token instead of `generator` (`sample_coupled`). Returns (new tokens per row, forward passes made, the
     rows that ended at eos).
     """
-    if noise is not None and tuple(noise.shape) != (batch.tokens.shape[0], n):
-        raise DiffarError(f"noise must be (rows, new tokens) = ({batch.tokens.shape[0]}, {n}), "
-                          f"got {tuple(noise.shape)}")
     step = step or (lambda token, slot: decode_one_token(model, batch, token, slot))
     B, slot = batch.tokens.shape
     out: list[list[int]] = [[] for _ in range(B)]
@@ -178,6 +175,9 @@ def generate(
     """Generate up to `max_new_tokens` after each prompt (a list of token ids per row); see
     `decode_n_tokens` for `fixed` (pinned tokens) and `noise` (the tokens a given noise determines)."""
     check_lengths(model, prompts, max_new_tokens)
+    if noise is not None and tuple(noise.shape) != (len(prompts), max_new_tokens):
+        raise DiffarError(f"noise must be (rows, new tokens) = ({len(prompts)}, {max_new_tokens}), "
+                          f"got {tuple(noise.shape)}")
     batch = Batch.from_prompts(prompts, pad_id, model_device(model))
     t0 = time.perf_counter()
     if use_cache:

@@ -375,8 +375,7 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
         judge, judge_tokenizer, judge_meta = load_for_inference(scorer, dtype=dtype)
         if judge_meta["kind"] != "ar":
             raise DiffarError(f"--scorer {scorer} is a {judge_meta['kind']} checkpoint; it must be an AR one")
-        judge = ARMethod(judge, judge_tokenizer, "continuation")
-        judge_prompts = [judge.prompt(t) for t in texts]
+        judge_prompts = [judge_tokenizer.encode(t) for t in texts]  # prompt and output alike: plain text
     budget = _budget(ar_prompts, new_tokens, seq2seq)
     records = []
     for bs in batch_sizes:
@@ -409,7 +408,7 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
             judged = [judge_tokenizer.encode(tokenizer.decode(o)) for o in outs] if scorer is not None else []
             if any(judged):
                 extra["scorer_perplexity"] = round(conditional_perplexity(
-                    judge.model, [p for p, o in zip(judge_prompts, judged) if o], [o for o in judged if o]), 2)
+                    judge, [p for p, o in zip(judge_prompts, judged) if o], [o for o in judged if o]), 2)
             records.append(_record(name, Path(corpus.name).name, ar_prompts, results, batch_size=bs, dtype=dtype,
                                    extra=extra))
     return records
