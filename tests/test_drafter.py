@@ -186,11 +186,12 @@ def test_cli_generate_equals_ar(tiny_drafter, tiny_shakespeare_run):
     _, out = tiny_drafter
     prompt = "ROMEO.\nBut soft, what light"
     plain = run_cli("generate", "--checkpoint", tiny_shakespeare_run, "--prompt", prompt, "--max-new-tokens", "40")
-    for extra in ([], ["--tree", "8"]):
+    for extra in ([], ["--tree", "8"], ["--tree", "8", "--prompt-lookup"]):
         drafted = run_cli("generate", "--checkpoint", out, "--prompt", prompt, "--max-new-tokens", "40", *extra)
         assert drafted.returncode == 0, drafted.stderr
         assert drafted.stdout == plain.stdout
         assert "drafter passes" in drafted.stderr
+    assert "refusion-tree+prompt-lookup" in drafted.stderr
 
 
 def test_cli_training_goes_on_from_a_drafter(tiny_drafter, tiny_shakespeare_run, tmp_path):
@@ -227,7 +228,7 @@ def test_cli_bench_prompt_set(tiny_drafter, tmp_path):
     _, out = tiny_drafter
     proc = run_cli("bench", "refusion", "--checkpoint", out, "--set", "shakespeare", "--prompts", "2",
                    "--new-tokens", "16", "--batch-sizes", "1", "2", "--methods", "ar", "refusion", "refusion-tree",
-                   "ar+prompt-lookup", "transformers", "transformers+prompt-lookup", "--out", tmp_path / "b.json")
+                   "refusion-tree+prompt-lookup", "ar+prompt-lookup", "transformers", "transformers+prompt-lookup", "--out", tmp_path / "b.json")
     assert proc.returncode == 0, proc.stderr
     records = json.loads((tmp_path / "b.json").read_text())
     by = {(r["method"], r["batch_size"]): r for r in records}

@@ -77,15 +77,18 @@ def test_dynamic_schedule_is_lossless_and_skips_short_prompts(model):
 
 
 def test_draft_trees_are_lossless(model):
-    """Trees of the diffusion stream's likeliest drafts: the AR text, with eos inside and rows of a batch."""
+    """Trees of the diffusion stream's likeliest drafts, and its drafts with prompt lookup's copies grafted on:
+    the AR text, with eos inside and rows of a batch."""
     plain = plain_ar(model, PROMPTS, 40)
     eos = plain[0][7]
     expected = plain_ar(model, PROMPTS, 40, eos_id=eos)
-    for nodes in (1, 8, 24):
-        tree = refusion_generate(model, PROMPTS, 40, eos_id=eos, schedule=DraftSchedule(tree=nodes))
+    for schedule in (DraftSchedule(tree=1), DraftSchedule(tree=8), DraftSchedule(tree=24), DraftSchedule(lookup=True),
+                     DraftSchedule(tree=8, lookup=True)):
+        tree = refusion_generate(model, PROMPTS, 40, eos_id=eos, schedule=schedule)
         assert tree.tokens == expected and tree.extra["drafted"] > 0
-    with pytest.raises(DiffarError, match="draft tree"):
-        DraftSchedule(tree=8, plan_threshold=0.5)
+    for schedule in (dict(tree=8), dict(lookup=True)):
+        with pytest.raises(DiffarError, match="cannot join a tree or prompt lookup"):
+            DraftSchedule(plan_threshold=0.5, **schedule)
 
 
 class Recording(DiffusionDrafter):

@@ -1,6 +1,6 @@
 """Tree verification (decoding/tree.py): the best-first tree holds the likeliest prefixes, and verifying
 trees is lossless: greedy output equals plain AR greedy, batched rows with trees of their own; sampled
-output follows the target's law."""
+output follows the target's law. Prompt lookup's copies grafted onto a drafter's drafts keep all of that."""
 
 import copy
 import itertools
@@ -11,8 +11,8 @@ import torch
 
 from diffar.decoding.ar import generate
 from diffar.decoding.sampling import SamplingConfig
-from diffar.decoding.speculative import Draft, speculative_generate
-from diffar.decoding.tree import ancestor_mask, best_first, depths, walk
+from diffar.decoding.speculative import DecodeState, Draft, WithPromptLookup, speculative_generate
+from diffar.decoding.tree import ancestor_mask, best_first, chain, depths, graft, walk
 from tests.conftest import random_model
 from tests.test_speculative import assert_follows_the_ar_law
 
@@ -93,3 +93,68 @@ def test_greedy_trees_equal_ar(budget):
 
 def test_sampled_trees_follow_the_ar_law():
     assert_follows_the_ar_law(lambda drafter: TreeDrafter(drafter, 6))
+
+
+def paths(tokens, parents):
+    """Every root-to-node token path of a tree."""
+    out = {0: ()}
+    for i, (t, p) in enumerate(zip(tokens, parents), start=1):
+        out[i] = out[p] + (t,)
+    return set(out.values())
+
+
+def test_graft_shares_what_the_tree_holds():
+    tokens, parents = [7, 8, 9, 3], [0, 1, 0, 2]  # 7-8-3 and 9
+    grafted, new_parents = graft(tokens, parents, [7, 8, 5, 6])
+    assert grafted[:4] == tokens and new_parents[:4] == parents  # the tree is kept, nodes appended
+    assert (grafted[4:], new_parents[4:]) == ([5, 6], [2, 5])  # the copy follows 7-8, then branches off
+    assert paths(grafted, new_parents) == paths(tokens, parents) | {(7, 8, 5), (7, 8, 5, 6)}
+    assert graft(tokens, parents, [9]) == (tokens, parents)  # a copy the tree already holds adds nothing
+    assert graft([], [], [4, 4]) == ([4, 4], chain(2))
+
+
+class Fixed:
+    """A proposer drafting one fixed chain (or tree) for every row."""
+
+    name, needs_hidden, taps, passes = "fixed", False, (), 0
+
+    def __init__(self, draft: Draft):
+        self.draft, self.tree = draft, len(draft.tokens) if draft.parents else 0
+
+    def start(self, batch_size, max_len):
+        pass
+
+    def propose(self, state, k, sampling, generator):
+        return [Draft([]) if done else self.draft for done in state.done]
+
+
+def test_prompt_lookup_joins_the_drafts():
+    seqs = [[1, 2, 3, 4, 1, 2], [5, 6, 7], [1, 2, 3, 1, 2]]  # row 1 has nothing to copy; row 2 is done
+    state = DecodeState(seqs=seqs, prompt_lengths=[0, 0, 0], max_new_tokens=8, valid=torch.zeros(3, 1, dtype=bool),
+                        hidden=None, write=0, done=[False, False, True])
+    chained = WithPromptLookup(Fixed(Draft([3, 9])), k=3)
+    assert chained.tree == 6 and chained.name == "fixed+prompt-lookup"
+    a, b, c = chained.propose(state, 2, SamplingConfig(), None)
+    assert paths(a.tokens, a.parents) == {(), (3,), (3, 9), (3, 4), (3, 4, 1)}  # the copy 3 4 1 shares the 3
+    assert (b.tokens, b.parents) == ([3, 9], None) and c.tokens == []  # no copy: the draft as it was
+    tree = Draft([3, 5, 9], parents=[0, 0, 1])
+    a, _, _ = WithPromptLookup(Fixed(tree), k=2).propose(state, 2, SamplingConfig(), None)
+    assert paths(a.tokens, a.parents) == paths(tree.tokens, tree.parents) | {(3, 4)}
+
+
+@pytest.mark.parametrize("budget", [0, 6])
+def test_greedy_with_prompt_lookup_equals_ar(budget):
+    target = random_model(0)
+    drafter = copy.deepcopy(target)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    plain = generate(target, PROMPTS, 30, pad_id=0, eos_id=None).tokens
+    inner = TreeDrafter(drafter, budget) if budget else Fixed(Draft([1, 2, 3]))
+    out = speculative_generate(target, WithPromptLookup(inner, k=6), PROMPTS, 30, k=6, eos_id=None)
+    assert out.tokens == plain and out.extra["drafted"] > 0
+
+
+def test_sampled_with_prompt_lookup_follows_the_ar_law():
+    assert_follows_the_ar_law(lambda drafter: WithPromptLookup(TreeDrafter(drafter, 3), k=2))

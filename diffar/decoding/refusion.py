@@ -27,7 +27,7 @@ import torch
 
 from diffar.decoding.sampling import SamplingConfig, probabilities
 from diffar.decoding.result import GenerationResult
-from diffar.decoding.speculative import DecodeState, Draft, speculative_generate
+from diffar.decoding.speculative import DecodeState, Draft, WithPromptLookup, speculative_generate
 from diffar.decoding.tree import best_first
 from diffar.diffusion.scheduler import DDIMScheduler
 from diffar.errors import DiffarError
@@ -46,6 +46,7 @@ class DraftSchedule:
     plan_threshold: float | None = None  # plan-and-infill: keep drafts this confident unverified (lossy)
     plan_slot: int = 1  # plan-and-infill: tokens per slot, planned (kept) or infilled as a whole
     tree: int = 0  # > 0: verify a tree of this many likeliest drafts (decoding/tree.py) instead of one chain
+    lookup: bool = False  # prompt lookup's copies join the drafts as free tree candidates (WithPromptLookup)
 
     def __post_init__(self):
         if min(self.steps, self.full_steps, self.mid_steps) <= 0:
@@ -57,8 +58,10 @@ class DraftSchedule:
             raise DiffarError(f"the plan-and-infill threshold must be in (0, 1], got {self.plan_threshold}")
         if self.plan_slot <= 0:
             raise DiffarError(f"the plan-and-infill slot must be at least 1 token, got {self.plan_slot}")
-        if self.tree < 0 or (self.tree and self.plan_threshold is not None):
-            raise DiffarError(f"a draft tree needs a node budget >= 0 and no plan-and-infill, got {self.tree}")
+        if self.tree < 0:
+            raise DiffarError(f"a draft tree needs a node budget >= 0, got {self.tree}")
+        if (self.tree or self.lookup) and self.plan_threshold is not None:
+            raise DiffarError("plan-and-infill keeps chain drafts unverified: it cannot join a tree or prompt lookup")
 
     def steps_for(self, progress: float, confidence: float) -> int:
         """Denoising steps for a row `progress` of the way through its output (0: do not draft)."""
@@ -200,6 +203,9 @@ def refusion_generate(model: RefusionModel, prompts: list[list[int]], max_new_to
     k = model.config.block if k is None else k
     if k > model.config.block:
         raise DiffarError(f"block size {k} exceeds the {model.config.block} tokens this model drafts per pass")
-    return speculative_generate(model.ar, DiffusionDrafter(model, schedule, prompt_words), prompts, max_new_tokens,
-                                k=k, eos_id=eos_id, pad_id=pad_id, sampling=sampling, generator=generator,
-                                on_token=on_token, adaptive=adaptive, fixed=fixed)
+    proposer = DiffusionDrafter(model, schedule, prompt_words)
+    if schedule.lookup:
+        proposer = WithPromptLookup(proposer, k)
+    return speculative_generate(model.ar, proposer, prompts, max_new_tokens, k=k, eos_id=eos_id, pad_id=pad_id,
+                                sampling=sampling, generator=generator, on_token=on_token, adaptive=adaptive,
+                                fixed=fixed)

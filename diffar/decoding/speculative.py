@@ -25,7 +25,7 @@ import torch
 from diffar.decoding.ar import Batch, TokenCallback, check_lengths
 from diffar.decoding.result import GenerationResult
 from diffar.decoding.sampling import SamplingConfig, probabilities, sample_next
-from diffar.decoding.tree import ancestor_mask, chain, depths, walk
+from diffar.decoding.tree import ancestor_mask, chain, depths, graft, walk
 from diffar.errors import DiffarError
 from diffar.models.transformer import Transformer
 
@@ -219,6 +219,38 @@ class PromptLookup:
                 if seq[start:start + n] == tail:
                     return seq[start + n:start + n + k]
         return []
+
+
+class WithPromptLookup:
+    """Another proposer's drafts with prompt lookup's copy grafted on as free candidates: where the text so far
+    holds a copy, the row's draft becomes a tree (a chain is one) with the copy hung from its root, so one
+    verification pass tries both and keeps the longer path the target agrees with (`walk`: lossless, greedy
+    or sampled). Rows without a copy keep their draft as it is. The copy is up to `k` tokens long (8, as
+    `ar+prompt-lookup` verifies) whatever the block the inner proposer is asked for: it costs no drafting
+    pass, only verified positions."""
+
+    def __init__(self, inner: Proposer, k: int = 8, lookup: PromptLookup | None = None):
+        self.inner, self.k, self.lookup = inner, k, lookup or PromptLookup()
+        self.name = f"{inner.name}+prompt-lookup"
+        self.needs_hidden, self.taps = inner.needs_hidden, inner.taps
+        self.tree = max(inner.tree, k) + k
+
+    @property
+    def passes(self) -> int:
+        return self.inner.passes
+
+    def start(self, batch_size: int, max_len: int) -> None:
+        self.inner.start(batch_size, max_len)
+
+    def propose(self, state: DecodeState, k: int, sampling: SamplingConfig, generator) -> list[Draft]:
+        drafts = self.inner.propose(state, k, sampling, generator)
+        for r, draft in enumerate(drafts):
+            copy = [] if state.done[r] else self.lookup.lookup(state.seqs[r], self.k)
+            if copy:
+                parents = draft.parents if draft.parents is not None else chain(len(draft.tokens))
+                tokens, parents = graft(draft.tokens, parents, copy)
+                drafts[r] = Draft(tokens, parents=parents)
+        return drafts
 
 
 def accept(logits: torch.Tensor, drafts: list[int], dists: list | None, sampling: SamplingConfig,

@@ -97,3 +97,20 @@ def walk(logits: torch.Tensor, tokens: list[int], parents: list[int], sampling: 
         path.append(nxt)
         node = nxt
 
+
+
+def graft(tokens: list[int], parents: list[int], path: list[int]) -> tuple[list[int], list[int]]:
+    """The tree with the chain `path` hung from node 0: it follows the nodes that already hold its tokens,
+    then goes on with new nodes (appended, so every parent still comes before its children)."""
+    tokens, parents = list(tokens), list(parents)
+    child: dict[tuple[int, int], int] = {}
+    for i, (t, p) in enumerate(zip(tokens, parents), start=1):
+        child.setdefault((p, t), i)  # the first such child, as `walk` picks
+    node = 0
+    for t in path:
+        if (node, t) not in child:
+            tokens.append(t)
+            parents.append(node)
+            child[node, t] = len(tokens)
+        node = child[node, t]
+    return tokens, parents

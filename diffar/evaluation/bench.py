@@ -184,6 +184,10 @@ def lossless_methods(model, tokenizer, task: str, draft_model, k: int, plan_thre
                                                                          plan_slot=plan_slot)),
         "refusion-tree": lambda: RefusionMethod(model, tokenizer, task, k=k_refusion,
                                                 schedule=DraftSchedule(tree=TREE_NODES)),
+        "refusion+prompt-lookup": lambda: RefusionMethod(model, tokenizer, task, k=k_refusion,
+                                                         schedule=DraftSchedule(lookup=True)),
+        "refusion-tree+prompt-lookup": lambda: RefusionMethod(model, tokenizer, task, k=k_refusion,
+                                                              schedule=DraftSchedule(tree=TREE_NODES, lookup=True)),
     }
 
 

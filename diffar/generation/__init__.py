@@ -4,6 +4,8 @@ the classes in `METHODS`. Which methods a checkpoint kind serves is declared in 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from diffar.checkpoint import GENERATES, ar_stream, load_ar, load_for_inference, read_meta
 from diffar.decoding.refusion import DraftSchedule
 from diffar.decoding.speculative import DraftModel, PromptLookup
@@ -36,18 +38,18 @@ def load_method(checkpoint: str, method: str | None = None, *, dtype: str = "fp3
                 use_cache: bool = True, device: str = "cpu", compile: bool = False) -> GenerationMethod:
     """The generation method `method` (default: the checkpoint's own) over a checkpoint, with what it works
     with: an AR drafter (`draft` checkpoint or `prompt_lookup`, verifying `k` drafts a pass), ReFusion's draft
-    `schedule`, DD2's best-of `judge` or `hybrid` continuer (AR checkpoints). Every model loads in `dtype`
+    `schedule` (with `prompt_lookup`, the copies join its drafts), DD2's best-of `judge` or `hybrid` continuer (AR checkpoints). Every model loads in `dtype`
     (fp32, bf16, fp16, int8) on `device` (cpu, cuda), and decodes there; `compile` compiles plain AR decoding's
     step (models/precision.compile_decode)."""
     method = resolve_method(checkpoint, method)
     given = {"draft": draft, "prompt_lookup": prompt_lookup, "schedule": schedule, "judge": judge, "hybrid": hybrid,
              "no_cache": not use_cache, "compile": compile}
-    takes = {"ar": {"draft", "prompt_lookup", "no_cache", "compile"}, "refusion": {"schedule"},
+    takes = {"ar": {"draft", "prompt_lookup", "no_cache", "compile"}, "refusion": {"schedule", "prompt_lookup"},
              "dd2": {"judge", "hybrid"}}
     for name, value in given.items():
         if value and name not in takes[method]:
-            owner = next(m for m, names in takes.items() if name in names)
-            raise OptionError(name, f"{name} applies to method {owner} only, not to {method}")
+            owners = " and ".join(m for m, names in takes.items() if name in names)
+            raise OptionError(name, f"{name} applies to method {owners} only, not to {method}")
     model, tok, meta = load_for_inference(checkpoint, tokenizer, dtype=dtype, device=device)
     alike = dict(dtype=dtype, device=device)  # every model it works with
     task = meta["task"]
@@ -55,7 +57,8 @@ def load_method(checkpoint: str, method: str | None = None, *, dtype: str = "fp3
         return DD2Method(model, tok, task, judge=judge and load_ar(judge, tok, "judge", task, **alike),
                          hybrid=hybrid and load_ar(hybrid, tok, "hybrid", task, **alike))
     if method == "refusion":
-        return RefusionMethod(model, tok, task, schedule=schedule or DraftSchedule(), k=k)
+        schedule = schedule or DraftSchedule()
+        return RefusionMethod(model, tok, task, schedule=replace(schedule, lookup=schedule.lookup or prompt_lookup), k=k)
     if draft and prompt_lookup:
         raise OptionError("draft", "choose one drafter: a draft model or prompt lookup")
     if compile and (draft or prompt_lookup or not use_cache):

@@ -12,7 +12,7 @@ from diffar.decoding.ar import generate
 from diffar.decoding.refusion import DraftSchedule, refusion_generate
 from diffar.decoding.result import GenerationResult
 from diffar.decoding.sampling import SamplingConfig
-from diffar.decoding.speculative import Proposer, speculative_generate
+from diffar.decoding.speculative import Proposer, WithPromptLookup, speculative_generate
 from diffar.decoding.drafter import BlockProposer
 from diffar.generation.method import OptionError, Options, per_row, within_budgets
 from diffar.models.drafter import BlockDrafter
@@ -79,7 +79,7 @@ class ARMethod:
 class RefusionMethod(ARMethod):
     """ReFusion: the diffusion stream drafts blocks from the AR stream's hidden states, the AR stream verifies
     them; `schedule` is how hard it drafts (one DDIM step per block by default; the DD2 seed post's dynamic
-    schedule; plan-and-infill; a tree). A block drafter (models/drafter.py) drafts a block per pass for the
+    schedule; plan-and-infill; a tree; prompt lookup's copies joining the drafts). A block drafter (models/drafter.py) drafts a block per pass for the
     target it is attached to, as a chain or a tree (`schedule.tree`)."""
 
     name = "refusion"
@@ -90,16 +90,18 @@ class RefusionMethod(ARMethod):
         if block and (schedule.dynamic or schedule.plan_threshold is not None or schedule.steps != 1):
             raise OptionError("schedule", "a block drafter drafts in one pass: denoising steps, the dynamic "
                                           "schedule and plan-and-infill apply to the embedding drafter only")
-        super().__init__(model.target if block else model.ar, tokenizer, task,
-                         proposer=BlockProposer(model, schedule.tree) if block else None,
-                         k=min(k or model.config.block - 1, model.config.block - 1) if block else 8,
+        k_block = min(k or model.config.block - 1, model.config.block - 1) if block else 8
+        proposer = BlockProposer(model, schedule.tree) if block else None
+        if proposer and schedule.lookup:
+            proposer = WithPromptLookup(proposer)
+        super().__init__(model.target if block else model.ar, tokenizer, task, proposer=proposer, k=k_block,
                          adaptive=True)  # verify about 1.5x what recent blocks kept, as ReFusion's decoder
         self.refusion, self.schedule, self.drafter = model, schedule, "drafter" if block else "diffusion"
         if not block:
             self.k = k
-        self.label = "refusion" + ("-dynamic" if schedule.dynamic else "") + ("-infill" if schedule.plan_threshold
-                                                                               else "") + ("-tree" if schedule.tree
-                                                                                           else "")
+        self.label = "refusion" + "".join(suffix for suffix, on in (
+            ("-dynamic", schedule.dynamic), ("-infill", schedule.plan_threshold), ("-tree", schedule.tree),
+            ("+prompt-lookup", schedule.lookup)) if on)
 
     def generate(self, prompts: list[list[int]], budgets: int | list[int], settings: SamplingConfig, *,
                  on_token=None, on_step=None, generator=None, fixed=None, ignore_eos: bool = False) -> GenerationResult:
