@@ -233,7 +233,7 @@ class WithPromptLookup:
         self.inner, self.k, self.lookup = inner, k, lookup or PromptLookup()
         self.name = f"{inner.name}+prompt-lookup"
         self.needs_hidden, self.taps = inner.needs_hidden, inner.taps
-        self.tree = max(inner.tree, k) + k
+        self.tree = max(inner.tree, k) + k  # nodes: the inner tree (or a chain) and the copy
 
     @property
     def passes(self) -> int:

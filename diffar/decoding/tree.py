@@ -98,7 +98,6 @@ def walk(logits: torch.Tensor, tokens: list[int], parents: list[int], sampling: 
         node = nxt
 
 
-
 def graft(tokens: list[int], parents: list[int], path: list[int]) -> tuple[list[int], list[int]]:
     """The tree with the chain `path` hung from node 0: it follows the nodes that already hold its tokens,
     then goes on with new nodes (appended, so every parent still comes before its children)."""

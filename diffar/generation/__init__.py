@@ -38,9 +38,9 @@ def load_method(checkpoint: str, method: str | None = None, *, dtype: str = "fp3
                 use_cache: bool = True, device: str = "cpu", compile: bool = False) -> GenerationMethod:
     """The generation method `method` (default: the checkpoint's own) over a checkpoint, with what it works
     with: an AR drafter (`draft` checkpoint or `prompt_lookup`, verifying `k` drafts a pass), ReFusion's draft
-    `schedule` (with `prompt_lookup`, the copies join its drafts), DD2's best-of `judge` or `hybrid` continuer (AR checkpoints). Every model loads in `dtype`
-    (fp32, bf16, fp16, int8) on `device` (cpu, cuda), and decodes there; `compile` compiles plain AR decoding's
-    step (models/precision.compile_decode)."""
+    `schedule` (with `prompt_lookup`, the copies join its drafts), DD2's best-of `judge` or `hybrid` continuer
+    (AR checkpoints). Every model loads in `dtype` (fp32, bf16, fp16, int8) on `device` (cpu, cuda), and decodes
+    there; `compile` compiles plain AR decoding's step (models/precision.compile_decode)."""
     method = resolve_method(checkpoint, method)
     given = {"draft": draft, "prompt_lookup": prompt_lookup, "schedule": schedule, "judge": judge, "hybrid": hybrid,
              "no_cache": not use_cache, "compile": compile}
