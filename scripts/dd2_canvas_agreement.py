@@ -20,11 +20,7 @@ from diffar.data.batching import canvas_examples
 from diffar.data.corpora import load_corpus
 from diffar.decoding.ar import generate
 from diffar.decoding.dd2 import dd2_generate
-
-
-def agreement(rows: list[list[int]], reference: list[list[int]]) -> float:
-    pairs = [(a, b) for row, ref in zip(rows, reference) for a, b in zip(row, ref)]
-    return sum(a == b for a, b in pairs) / len(pairs)
+from diffar.evaluation.metrics import slot_agreement
 
 
 def main() -> None:
@@ -52,10 +48,10 @@ def main() -> None:
     own = taught = prompts
     for k in range(args.canvases):
         mine, reference = one_step(own), teacher(own)
-        on_teacher = agreement(one_step(taught), teacher(taught))
+        on_teacher = slot_agreement(one_step(taught), teacher(taught))
         flat = [t for row in mine for t in row]
         top = max(set(flat), key=flat.count)
-        print(f"{k:6d} | {agreement(mine, reference):25.3f} | {on_teacher:21.3f} | "
+        print(f"{k:6d} | {slot_agreement(mine, reference):25.3f} | {on_teacher:21.3f} | "
               f"{tok.decode([top])!r} ({flat.count(top) / len(flat):.2f})")
         own = [t + m for t, m in zip(own, mine)]
         taught = [t + r for t, r in zip(taught, teacher(taught))]

@@ -222,13 +222,18 @@ def test_cli_errors(tiny_shakespeare_run, tiny_run, tiny_drafter, tmp_path):
                                "--examples", "2", "--out", tmp_path / "d.jsonl"), "no chat template")
 
 
-def test_cli_bench_prompt_set(tiny_drafter, tmp_path):
-    """The prompt-set bench: the drafter's methods are lossless (exact match with AR), the transformers peer
-    runs on the same weights, and every record says what the drafter costs."""
-    _, out = tiny_drafter
+def test_cli_bench_prompt_set(tiny_drafter, tokenizer_path, tmp_path):
+    """The prompt-set bench: the drafter's methods are lossless (exact match with AR), the peers run on the same
+    weights (transformers; a small AR draft model trained on the drafter's data, token ids as they are), and
+    every record says what the drafter costs."""
+    data, out = tiny_drafter
+    draft = run_cli("train", "ar", "--corpus", data, "--tokenizer", tokenizer_path,
+                    "--out", tmp_path / "draft", "--max-steps", "2", "--block-size", "128", *TINY_TRAIN)
+    assert draft.returncode == 0, draft.stderr
     proc = run_cli("bench", "refusion", "--checkpoint", out, "--set", "shakespeare", "--prompts", "2",
                    "--new-tokens", "16", "--batch-sizes", "1", "2", "--methods", "ar", "refusion", "refusion-tree",
-                   "refusion-tree+prompt-lookup", "ar+prompt-lookup", "transformers", "transformers+prompt-lookup", "--out", tmp_path / "b.json")
+                   "refusion-tree+prompt-lookup", "ar+prompt-lookup", "ar+draft", "transformers",
+                   "transformers+prompt-lookup", "--draft", tmp_path / "draft", "--out", tmp_path / "b.json")
     assert proc.returncode == 0, proc.stderr
     records = json.loads((tmp_path / "b.json").read_text())
     by = {(r["method"], r["batch_size"]): r for r in records}
@@ -237,5 +242,5 @@ def test_cli_bench_prompt_set(tiny_drafter, tmp_path):
         assert r["new_tokens"] == 16
         if name.startswith(("refusion", "ar")):
             assert r["extra"]["exact_match_vs_ar"] == 1.0
-    assert by["refusion", 1]["extra"]["draft_cost_vs_ar_step"] > 0
+    assert by["refusion", 1]["extra"]["draft_cost_vs_ar_step"] > 0 and ("ar+draft", 2) in by
     assert by["refusion-tree", 2]["extra"]["tokens_per_ar_pass"] >= 1.0

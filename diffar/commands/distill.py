@@ -1,9 +1,11 @@
-"""`diffar distill dd2`: a one-step DD2 generator (x0 prediction) trained on an AR teacher's greedy outputs.
+"""`diffar distill dd2`: a one-step DD2 generator (x0 prediction) trained on an AR teacher's greedy outputs, or
+(`--coupled`) on its samples, each for the noise the generator reads.
 `diffar distill data`: a model's own responses to prompts it writes or is given, the training data of its
 drafter (`diffar train refusion --drafter block --corpus FILE`)."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -19,7 +21,7 @@ from diffar.training.self_data import self_data
 
 # the DD2Config fields this command sets from flags of the same name (None: the preset's or --init's)
 OVERRIDES = ("schedule", "cond_drop", "mse_weight", "ce_weight", "bleu_weight", "semantic_weight", "energy_weight",
-             "refine_prob", "full_noise_prob")
+             "refine_prob", "full_noise_prob", "coupled")
 
 
 def register(subparsers) -> None:
@@ -27,7 +29,7 @@ def register(subparsers) -> None:
     models = di.add_subparsers(dest="model_kind", required=True, metavar="MODEL")
     dd = models.add_parser("dd2", help="a one-step DD2 generator (x0 prediction) trained on the teacher's outputs",
                            parents=[flags.training(), flags.dd2_training()])
-    dd.add_argument("--teacher", required=True, help="the AR checkpoint whose greedy outputs are the targets")
+    dd.add_argument("--teacher", required=True, help="the AR checkpoint whose outputs are the targets")
     dd.add_argument("--vqvae", help="the autoencoder to build on (without --init)")
     dd.add_argument("--init", help="a DD2 checkpoint to start from, e.g. the stage-2 eps model")
     dd.add_argument("--preset", default="small", choices=sorted(DD2_PRESETS))
@@ -46,6 +48,12 @@ def register(subparsers) -> None:
     dd.add_argument("--full-noise-prob", type=float,
                     help="share of examples at t = 1, where one-step sampling starts (default 0.75); the energy "
                          "scores only these")
+    dd.add_argument("--coupled", action=argparse.BooleanOptionalAction,
+                    help="coupled distillation (DD1): each example's target is the teacher's sample for a noise of "
+                         "its own, which the generator reads as its input (default: the teacher's greedy text)")
+    dd.add_argument("--temperature", type=flags.float_in(0, 100),
+                    help="the coupled teacher's sampling temperature (default 0.8)")
+    dd.add_argument("--top-p", type=flags.float_in(0, 1), help="the coupled teacher's top-p (default 0.95)")
     dd.set_defaults(func=run_dd2)
 
     da = models.add_parser("data", help="a model's own greedy responses, as token ids (a drafter's training data)",
@@ -66,9 +74,12 @@ def run_dd2(args) -> None:
     torch.manual_seed(args.seed)
     start = setup.dd2_model(args.corpus, args.out, prediction="x0", preset=args.preset, vqvae=args.vqvae,
                             init=args.init, source_encoder=args.source_encoder, canvas_len=args.canvas_len,
+                            teacher_temperature=args.temperature, teacher_top_p=args.top_p,
                             **{k: getattr(args, k) for k in OVERRIDES})
+    if not start.model.config.coupled and (args.temperature, args.top_p) != (None, None):
+        raise DiffarError("--temperature and --top-p set the coupled teacher's sampling; add --coupled")
     examples = setup.distillation_pairs(start, args.teacher, args.corpus, args.out, limit=args.teacher_examples,
-                                        batch_size=args.teacher_batch_size)
+                                        batch_size=args.teacher_batch_size, seed=args.seed)
     setup.fit_dd2(start, args.corpus, args.valid_corpus, flags.train_config(args), args.out, examples,
                   override=args.override)
 

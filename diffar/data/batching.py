@@ -7,7 +7,10 @@ Each dataset maps a list of example indices to a batch dict the model's forward 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 
 from diffar.data.corpora import Corpus
 from diffar.errors import DiffarError
@@ -114,18 +117,22 @@ class CanvasDataset:
     canvas exceeds `max_len` or whose source exceeds `max_source` are left out (`dropped` counts them).
 
     Batches: {"source": (B, S) right-padded, "source_mask": (B, S) True at real tokens, "targets": (B, N)};
-    with `with_source=False` only "targets" (the autoencoder's input)."""
+    with `with_source=False` only "targets" (the autoencoder's input). With `noise` (example index, canvas
+    width -> that example's latent noise (width, d_latent): a coupled distillation's), also "noise" (B, N,
+    d_latent), zero past a row's own canvas."""
 
     def __init__(self, examples: list[tuple[list[int], list[int]]], tokenizer: Tokenizer, width, max_len: int,
-                 eos: bool = True, with_source: bool = True, max_source: int | None = None):
-        self.pad_id, self.with_source = tokenizer.pad_id, with_source
-        self.sources, self.canvases = [], []
-        for src, tgt in examples:
+                 eos: bool = True, with_source: bool = True, max_source: int | None = None,
+                 noise: Callable[[int, int], torch.Tensor] | None = None):
+        self.pad_id, self.with_source, self.noise = tokenizer.pad_id, with_source, noise
+        self.sources, self.canvases, self.examples = [], [], []  # examples: the index in `examples` of each
+        for i, (src, tgt) in enumerate(examples):
             canvas = tgt + [tokenizer.eos_id] if eos else list(tgt)
             canvas += [self.pad_id] * (width(len(src)) - len(canvas))
             if src and len(canvas) <= max_len and len(src) <= (max_source or len(src)):
                 self.sources.append(src)
                 self.canvases.append(canvas)
+                self.examples.append(i)
         if not self.canvases:
             raise DiffarError(f"no example fits in a canvas of {max_len} positions")
         self.dropped = len(examples) - len(self.canvases)
@@ -146,7 +153,11 @@ class CanvasDataset:
         if not self.with_source:
             return {"targets": targets}
         source, source_mask = pad_right([self.sources[i] for i in indices], self.pad_id)
-        return {"source": source, "source_mask": source_mask, "targets": targets}
+        batch = {"source": source, "source_mask": source_mask, "targets": targets}
+        if self.noise is not None:
+            rows = [self.noise(self.examples[i], len(self.canvases[i])) for i in indices]
+            batch["noise"] = torch.stack([F.pad(z, (0, 0, 0, width - len(z))) for z in rows])
+        return batch
 
 
 def pad_right(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

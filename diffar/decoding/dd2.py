@@ -134,7 +134,7 @@ class Pins:
 def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sampling: DD2Sampling = DD2Sampling(),
                  eos_id: int | None = None, pad_id: int = 0, generator: torch.Generator | None = None,
                  on_step: Callable[[int, list[list[int]]], None] | None = None,
-                 fixed: list[dict[int, int]] | None = None) -> GenerationResult:
+                 fixed: list[dict[int, int]] | None = None, noise: torch.Tensor | None = None) -> GenerationResult:
     """Sample a canvas per source and return its text, at most `max_new` tokens per row.
 
     seq2seq models (config.eos_id set) size each canvas by the source (`VQVAEConfig.width`; in a batch the
@@ -146,7 +146,9 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
     `on_step(i, rows)` sees the tokens after denoising step i (for streaming snapshots): the argmax of each
     intermediate prediction, so watching does not draw from `generator` and the result is the same with or
     without it. `fixed[row]` pins output positions to tokens (see `Pins`); the output keeps them, and each
-    pinned step costs one more decoder and encoder pass."""
+    pinned step costs one more decoder and encoder pass. `noise` (B, N, d_latent) is the starting noise instead
+    of a draw from `generator`: a canvas's width of positions, or for continuation canvas after canvas, one
+    `target_len` run of positions per canvas (as a coupled distillation's teacher read it, `DD2Config.coupled`)."""
     if max_new <= 0:
         raise DiffarError(f"max_new must be positive, got {max_new}")
     if sampling.best_of > 1:
@@ -155,7 +157,7 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
         raise DiffarError("every source needs at least one token")
     canvas = model.config.vqvae.target_len
     if model.config.eos_id is not None or max_new <= canvas:
-        return _sample(model, sources, max_new, sampling, eos_id, pad_id, generator, on_step, fixed)
+        return _sample(model, sources, max_new, sampling, eos_id, pad_id, generator, on_step, fixed, noise)
     if fixed and any(pos >= max_new for pins in fixed for pos in pins):
         raise DiffarError(f"pinned positions must lie within the {max_new} tokens asked for")
     t0 = time.perf_counter()
@@ -170,7 +172,7 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
         prompts = [(s + t)[-model.config.vqvae.prompt_len:] for s, t in zip(sources, tokens)]
         pins = fixed and [{pos - start: v for pos, v in row.items() if start <= pos < start + canvas} for row in fixed]
         part = _sample(model, prompts, min(canvas, max_new - start), sampling, eos_id, pad_id, generator,
-                       on_step and watch, pins)
+                       on_step and watch, pins, None if noise is None else noise[:, start:start + canvas])
         tokens = [t + new for t, new in zip(tokens, part.tokens)]
         log_prob = [lp + c * len(new) for lp, c, new in zip(log_prob, part.extra["confidence"], part.tokens)]
         passes, decoder_passes = passes + part.passes["denoiser"], decoder_passes + part.passes["decoder"]
@@ -179,7 +181,7 @@ def dd2_generate(model: DD2Model, sources: list[list[int]], max_new: int, *, sam
 
 
 def _sample(model: DD2Model, sources: list[list[int]], max_new: int, sampling: DD2Sampling, eos_id: int | None,
-            pad_id: int, generator: torch.Generator | None, on_step, fixed) -> GenerationResult:
+            pad_id: int, generator: torch.Generator | None, on_step, fixed, noise) -> GenerationResult:
     """One canvas per source (`dd2_generate`'s arguments)."""
     cfg = model.config
     vq = cfg.vqvae
@@ -196,7 +198,10 @@ def _sample(model: DD2Model, sources: list[list[int]], max_new: int, sampling: D
     scheduler = SCHEDULERS[sampling.sampler](model.schedule, prediction=cfg.prediction)
     scheduler.set_timesteps(steps)
     dtype = next(model.denoiser.parameters()).dtype  # the network's; the sample and the scheduler's math stay fp32
-    z = torch.randn(len(sources), width, vq.d_latent, generator=generator).to(device)
+    shape = (len(sources), width, vq.d_latent)
+    if noise is not None and tuple(noise.shape) != shape:
+        raise DiffarError(f"noise must be (rows, canvas positions, latent width) = {shape}, got {tuple(noise.shape)}")
+    z = (torch.randn(shape, generator=generator) if noise is None else noise.float()).to(device)
     states = model.encode_source(source)  # the source encoder's read, made once for every step
     passes = decoder_passes = 0
     for i, t in enumerate(scheduler.timesteps.tolist()):

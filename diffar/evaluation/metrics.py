@@ -49,6 +49,13 @@ def repetition(outputs: list[list[int]], n: int = 4) -> float:
     return 100 * sum(scores) / max(1, len(scores))
 
 
+def slot_agreement(outputs: list[list[int]], references: list[list[int]]) -> float:
+    """The share of slots, position by position over each pair's common length, where an output has its
+    reference's token (0-1): how closely a one-step canvas follows a given text."""
+    pairs = [(a, b) for out, ref in zip(outputs, references) for a, b in zip(out, ref)]
+    return sum(a == b for a, b in pairs) / len(pairs)
+
+
 def unigram_entropy(outputs: list[list[int]]) -> float:
     """The entropy (nats) of each output's token frequencies, averaged over outputs that have any: low for
     text that repeats a few tokens (a collapsed generator), near the language's own for varied text. With

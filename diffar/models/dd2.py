@@ -27,6 +27,13 @@ Two parameterisations (`prediction`):
   second step. Trained only on noised true latents, the network trusts z_t at t < 1 and turns a (blurry,
   off-manifold) draft into garbage; trained on its drafts, it learns to refine them (the iterative
   refinement of non-autoregressive translation, Lee et al. 2018, arXiv 1802.06901).
+Coupled distillation (`coupled`; DD1, arXiv 2412.17153): the teacher's targets are its *samples*, each made a
+deterministic function of that example's own latent noise z (N, d_latent), drawn by `example_noise` from the
+run's seed and the example's index. The teacher's token at canvas slot j is the one its sampler
+(`teacher_temperature`, `teacher_top_p`) picks for the Gaussian z[j, 0], the slot's first latent channel
+(`token_noise`; `decoding/sampling.sample_coupled` inverts the CDF at Phi(z[j, 0])), and the network's one-step
+input (and the noise of its t < 1 examples) is that same z: it regresses "noise and prompt -> the teacher's
+sample for that noise", a function, instead of the average of the teacher's many continuations.
 Classifier-free guidance (Ho & Salimans 2022, arXiv 2207.12598): `cond_drop` of the training examples lose
 their source; sampling mixes the conditional and unconditional outputs by `guidance_scale`.
 """
@@ -73,6 +80,9 @@ class DD2Config(Config, presets=PRESETS, nested={"vqvae": VQVAEConfig, "source_e
     bleu_weight: float = 0.0
     semantic_weight: float = 0.0
     energy_weight: float = 0.0  # needs the AR teacher attached (`DD2Model.set_energy_model`; distill dd2 does)
+    coupled: bool = False  # targets: the teacher's sample for each example's own noise (else its greedy text)
+    teacher_temperature: float = 0.8  # the coupled teacher's sampling
+    teacher_top_p: float = 0.95
     bleu_samples: int = 4  # canvases sampled per example for the expected-BLEU loss
     eos_id: int | None = None  # where a seq2seq canvas's text ends (None: continuation, no end)
     source_encoder: TransformerConfig | None = None  # a frozen AR model whose hidden states join the source prefix
@@ -87,6 +97,8 @@ class DD2Config(Config, presets=PRESETS, nested={"vqvae": VQVAEConfig, "source_e
             (0 <= self.full_noise_prob <= 1, f"full_noise_prob must be in [0, 1], got {self.full_noise_prob}"),
             (0 <= self.refine_prob <= 1, f"refine_prob must be in [0, 1], got {self.refine_prob}"),
             (self.latent_scale > 0, f"latent_scale must be positive, got {self.latent_scale}"),
+            (self.teacher_temperature >= 0, f"teacher_temperature must be >= 0, got {self.teacher_temperature}"),
+            (0 < self.teacher_top_p <= 1, f"teacher_top_p must be in (0, 1], got {self.teacher_top_p}"),
             (self.bleu_samples > 1, f"bleu_samples must be at least 2, got {self.bleu_samples}"),
             (self.source_encoder is None or self.source_encoder.vocab_size == self.vqvae.vocab_size,
              "source_encoder's vocabulary differs from the autoencoder's"),
@@ -113,6 +125,18 @@ def same_weights(a: nn.Module, b: nn.Module) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(
         sa[k].shape == sb[k].shape and torch.equal(sa[k].to(torch.bfloat16), sb[k].to(torch.bfloat16)) for k in sa)
+
+
+def example_noise(seed: int, index: int, width: int, d_latent: int) -> torch.Tensor:
+    """The latent noise (width, d_latent) of training example `index` of a coupled distillation: standard
+    normal, from a generator seeded by (seed, index), so it is drawn again wherever it is needed, never stored."""
+    return torch.randn(width, d_latent, generator=torch.Generator().manual_seed(seed * 1_000_003 + index))
+
+
+def token_noise(z: torch.Tensor) -> torch.Tensor:
+    """Canvas noise (..., N, d_latent) -> the noise (..., N) that fixes the teacher's token at each slot: the
+    slot's first latent channel (standard normal, as `sample_coupled` takes it)."""
+    return z[..., 0]
 
 
 class LatentDenoiser(nn.Module):
@@ -237,20 +261,22 @@ class DD2Model(nn.Module):
         cond, uncond = out[:B], out[B:]
         return uncond + guidance_scale * (cond - uncond)
 
-    def forward(self, source: torch.Tensor, source_mask: torch.Tensor,
-                targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, source: torch.Tensor, source_mask: torch.Tensor, targets: torch.Tensor,
+                noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`noise` (B, N, d_latent): each example's own noise (coupled distillation: the noise its target was
+        sampled for), which every example is noised with and a one-step draft starts from; default: fresh."""
         cfg = self.config
         B = len(targets)
         z0 = self.latents(targets)
         t = torch.rand(B, device=z0.device)
         if cfg.prediction == "x0":
             t = torch.where(torch.rand(B, device=z0.device) < cfg.full_noise_prob, torch.ones_like(t), t)
-        noise = torch.randn_like(z0)
+        noise = torch.randn_like(z0) if noise is None else noise.to(z0)
         z_t = self.schedule.q_sample(z0, t, noise)
         keep = (torch.rand(B, 1, device=z0.device) >= cfg.cond_drop) if self.training else True
         states = self.encode_source(source)
         if cfg.prediction == "x0" and cfg.refine_prob:
-            z_t = self._from_drafts(z_t, t, source, source_mask & keep, states)
+            z_t = self._from_drafts(z_t, t, noise, source, source_mask & keep, states)
         out = self.denoiser(z_t, t, source, source_mask & keep, states=states)
         if cfg.prediction == "eps":
             loss = F.mse_loss(out, noise)
@@ -259,14 +285,14 @@ class DD2Model(nn.Module):
         one_step = (t == 1) & (keep.squeeze(1) if self.training else True)  # one-step outputs given their source
         return out, self._distillation_loss(out, z0, targets, source, source_mask, one_step)
 
-    def _from_drafts(self, z_t: torch.Tensor, t: torch.Tensor, source: torch.Tensor, source_mask: torch.Tensor,
-                     states: torch.Tensor | None) -> torch.Tensor:
+    def _from_drafts(self, z_t: torch.Tensor, t: torch.Tensor, noise: torch.Tensor, source: torch.Tensor,
+                     source_mask: torch.Tensor, states: torch.Tensor | None) -> torch.Tensor:
         """z_t with a `refine_prob` share of the t < 1 rows replaced by DDIM's second-step input: the noised
-        one-step draft (no gradient through the draft)."""
+        one-step draft from the row's `noise` (no gradient through the draft)."""
         rows = ((t < 1) & (torch.rand(len(t), device=t.device) < self.config.refine_prob)).nonzero().squeeze(1)
         if len(rows) == 0:
             return z_t
-        start = torch.randn_like(z_t[rows])
+        start = noise[rows]
         with torch.no_grad():
             draft = self.denoiser(start, torch.ones_like(t[rows]), source[rows], source_mask[rows],
                                   states=None if states is None else states[rows])

@@ -5,6 +5,7 @@ the Trainer."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -15,7 +16,8 @@ from diffar.checkpoint import load_ar, load_checkpoint, read_meta
 from diffar.data.batching import CanvasDataset, PairDataset, WindowDataset, ar_prompt, build_dataset, canvas_examples
 from diffar.data.corpora import EMBEDDED, load_corpus
 from diffar.errors import DiffarError
-from diffar.models.dd2 import DD2Config, DD2Model, same_weights
+from diffar.decoding.sampling import SamplingConfig
+from diffar.models.dd2 import DD2Config, DD2Model, example_noise, same_weights, token_noise
 from diffar.models.drafter import BlockDrafter, DrafterConfig
 from diffar.models.precision import place
 from diffar.models.refusion import RefusionConfig, RefusionModel
@@ -83,9 +85,9 @@ def data_advice(corpus: str, tokenizer: Tokenizer, data: Datasets, n_params: int
     if corpus in EMBEDDED:
         return []
     notes = []
-    texts = load_corpus(corpus, "train").texts()
-    sample = "\n".join(texts)[:ADVICE_SAMPLE_CHARS]
-    words = len(sample.split())
+    train_corpus = load_corpus(corpus, "train")
+    sample = "" if train_corpus.sequences is not None else "\n".join(train_corpus.texts())[:ADVICE_SAMPLE_CHARS]
+    words = len(sample.split())  # token-id records (`diffar distill data`) were made with this tokenizer
     per_word = len(tokenizer.encode(sample)) / words if words else 0.0
     if per_word > TOKENS_PER_WORD_HIGH:
         notes.append(f"note: {per_word:.1f} tokens per word of this corpus under this tokenizer (English under "
@@ -101,18 +103,19 @@ def data_advice(corpus: str, tokenizer: Tokenizer, data: Datasets, n_params: int
 
 
 def canvas_datasets(tokenizer: Tokenizer, corpus: str, valid_corpus: str | None, vq_cfg, *, with_source: bool,
-                    examples=None, max_source: int | None = None) -> Datasets:
+                    examples=None, max_source: int | None = None, noise=None) -> Datasets:
     """Canvases laid out by the autoencoder's config for the latent-diffusion models; `examples` replaces the
-    training pairs (distillation: the teacher's outputs)."""
+    training pairs (distillation: the teacher's outputs), and `noise` gives each its own (`CanvasDataset`)."""
     train_corpus, valid_corpus = _corpora(corpus, valid_corpus)
     seq2seq = train_corpus.task == "seq2seq"
     width = vq_cfg.width if seq2seq else (lambda n: vq_cfg.target_len)
     data = []
-    for name, part, pairs in (("train", train_corpus, examples), ("valid", valid_corpus, None)):
+    for name, part, pairs, own_noise in (("train", train_corpus, examples, noise),
+                                         ("valid", valid_corpus, None, None)):
         pairs = pairs or canvas_examples(part, tokenizer, vq_cfg.prompt_len, vq_cfg.target_len,
                                          stride=vq_cfg.prompt_len)
         canvases = CanvasDataset(pairs, tokenizer, width, vq_cfg.max_len, eos=seq2seq, with_source=with_source,
-                                 max_source=max_source)
+                                 max_source=max_source, noise=own_noise)
         if canvases.dropped:
             print(f"note: {canvases.dropped} {name} pairs longer than the {vq_cfg.max_len}-position canvas"
                   + (f" or the {max_source}-token source" if max_source else "") + " are left out")
@@ -293,10 +296,12 @@ def dd2_model(corpus: str, out: str, *, prediction: str, preset: str, vqvae: str
 
 def fit_dd2(start: DD2Start, corpus: str, valid_corpus: str | None, config: TrainConfig, out: str,
             examples=None, override: bool = False) -> None:
-    """Train a DD2 model on canvases of `corpus` (or on `examples`, a distillation's teacher outputs)."""
+    """Train a DD2 model on canvases of `corpus` (or on `examples`, a distillation's teacher outputs; a coupled
+    one's each with the noise `distillation_pairs` sampled it for)."""
     model, cfg = start.model, start.model.config
+    noise = partial(example_noise, config.seed, d_latent=cfg.vqvae.d_latent) if cfg.coupled else None
     data = canvas_datasets(start.tokenizer, corpus, valid_corpus, cfg.vqvae, with_source=True, examples=examples,
-                           max_source=cfg.max_source_len)
+                           max_source=cfg.max_source_len, noise=noise)
     if start.calibrate:  # a fresh model: scale its latents to unit variance
         model.calibrate(data.train.batch(data.train.eval_indices(256))["targets"])
     print(f"latent scale {cfg.latent_scale:.4f}, prediction {cfg.prediction}")
@@ -304,10 +309,11 @@ def fit_dd2(start: DD2Start, corpus: str, valid_corpus: str | None, config: Trai
 
 
 def distillation_pairs(start: DD2Start, teacher_path: str, corpus: str, out: str, *, limit: int | None,
-                       batch_size: int) -> list[tuple[list[int], list[int]]]:
-    """(source, the AR teacher's greedy output) for the training canvases of `corpus` (`limit`: that many,
-    spread evenly over the corpus), cached in `out`/teacher.jsonl; the teacher also scores the student's
-    output where the config weighs its energy."""
+                       batch_size: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """(source, the AR teacher's output) for the training canvases of `corpus` (`limit`: that many, spread
+    evenly over the corpus), cached in `out`/teacher.jsonl: its greedy text, or for a coupled config the sample
+    that example i's noise (`example_noise(seed, i, ...)`, through `token_noise`) determines. The teacher also
+    scores the student's output where the config weighs its energy."""
     model, tokenizer, cfg = start.model, start.tokenizer, start.model.config
     train = load_corpus(corpus, "train")
     teacher = load_ar(teacher_path, tokenizer, "--teacher", task=train.task)
@@ -322,6 +328,10 @@ def distillation_pairs(start: DD2Start, teacher_path: str, corpus: str, out: str
         model.set_energy_model(teacher, tokenizer.sep_id if seq2seq else None)
     prompts = [ar_prompt(tokenizer, train.task, src) for src, _ in pairs]
     budgets = [vq.width(len(src)) - 1 if seq2seq else vq.target_len for src, _ in pairs]
+    coupled = {} if not cfg.coupled else dict(
+        sampling=SamplingConfig(temperature=cfg.teacher_temperature, top_p=cfg.teacher_top_p),
+        noise=[token_noise(example_noise(seed, i, cfg.canvas_width(len(src)), vq.d_latent))[:budget].clone()
+               for i, ((src, _), budget) in enumerate(zip(pairs, budgets))])
     outputs = teacher_outputs(teacher, prompts, budgets, Path(out) / "teacher.jsonl", pad_id=tokenizer.pad_id,
-                              eos_id=tokenizer.eos_id if seq2seq else None, batch_size=batch_size)
+                              eos_id=tokenizer.eos_id if seq2seq else None, batch_size=batch_size, **coupled)
     return [(src, output) for (src, _), output in zip(pairs, outputs)]
