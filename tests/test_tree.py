@@ -73,14 +73,20 @@ def test_walk_follows_the_target():
     assert (path, token) == ([1, 3], 1)
 
 
-@pytest.mark.parametrize("budget", [1, 6, 20])
-def test_greedy_trees_equal_ar(budget):
-    target = random_model(0)
-    drafter = copy.deepcopy(target)
+def noisy_copy(model, scale: float):
+    """A drafter: the model with Gaussian noise of `scale` added to every weight (seed 1)."""
+    drafter = copy.deepcopy(model)
     torch.manual_seed(1)
     with torch.no_grad():
         for p in drafter.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
+            p.add_(torch.randn_like(p) * scale)
+    return drafter
+
+
+@pytest.mark.parametrize("budget", [1, 6, 20])
+def test_greedy_trees_equal_ar(budget):
+    target = random_model(0)
+    drafter = noisy_copy(target, 0.1)
     plain = generate(target, PROMPTS, 30, pad_id=0, eos_id=None).tokens
     tree = speculative_generate(target, TreeDrafter(drafter, budget), PROMPTS, 30, k=6, eos_id=None, adaptive=False)
     assert tree.tokens == plain
@@ -145,11 +151,7 @@ def test_prompt_lookup_joins_the_drafts():
 @pytest.mark.parametrize("budget", [0, 6])
 def test_greedy_with_prompt_lookup_equals_ar(budget):
     target = random_model(0)
-    drafter = copy.deepcopy(target)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
+    drafter = noisy_copy(target, 0.3)
     plain = generate(target, PROMPTS, 30, pad_id=0, eos_id=None).tokens
     inner = TreeDrafter(drafter, budget) if budget else Fixed(Draft([1, 2, 3]))
     out = speculative_generate(target, WithPromptLookup(inner, k=6), PROMPTS, 30, k=6, eos_id=None)
