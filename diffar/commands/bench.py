@@ -1,18 +1,33 @@
 """`diffar bench ar|speculative|refusion|dd2`: decoding speed (and, for lossy DD2, quality) against AR, as a table
-and JSON records."""
+and JSON records (and, with --plot, a speed-quality plot); `diffar bench plot` redraws saved records."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import asdict
+from datetime import date
+from pathlib import Path
 
 from diffar.commands import flags
 from diffar.data.prompts import SOURCES
 from diffar.errors import DiffarError
+from diffar.evaluation.plot import FORMATS, draw, load_records, save, select
 
 SHIPPED_DRAFT = "checkpoints/draft-kjv2web"  # the ar+draft peer's default (found from any folder: checkpoint.resolve)
 DRAFT_HELP = (f"the small AR drafter of the ar+draft peer (default: {SHIPPED_DRAFT} where it shares the model's "
               "tokenizer; else ar+draft is skipped)")
+PLOT_HELP = ("one point per method and batch size: speed (tokens/s; for dd2, latency per batch) against quality "
+             "(BLEU-4, else chrF; for continuation the --scorer's perplexity of the output, else the AR model's), "
+             "a panel per task and batch size. Records with no quality figure (bench ar, --set runs) are drawn "
+             "as speed per method")
+
+
+def image(path: str) -> str:
+    """An argparse type: a file name matplotlib writes by its suffix."""
+    if Path(path).suffix.lower().lstrip(".") not in FORMATS:
+        raise argparse.ArgumentTypeError(f"must end in {', '.join('.' + f for f in FORMATS)}, got {path!r}")
+    return path
 
 
 def _prompts(prompts: int, batch_sizes: list[int]) -> argparse.ArgumentParser:
@@ -26,9 +41,11 @@ def _prompts(prompts: int, batch_sizes: list[int]) -> argparse.ArgumentParser:
 
 
 def register(subparsers) -> None:
-    b = subparsers.add_parser("bench", help="measure decoding speed; writes JSON records")
+    b = subparsers.add_parser("bench", help="measure decoding speed; writes JSON records (and plots them)")
     methods = b.add_subparsers(dest="method", required=True, metavar="METHOD")
-    json_out = flags.out("JSON file to write")
+    json_out = argparse.ArgumentParser(add_help=False, parents=[flags.out("JSON file to write")])
+    json_out.add_argument("--plot", type=image, metavar="FILE.png", help="also draw the records to this image: "
+                          f"{PLOT_HELP} (dated today; `diffar bench plot` redraws the JSON)")
     threads = flags.threads()
     bar = methods.add_parser("ar", help="AR with vs without the KV cache, and against transformers' generate",
                              parents=[flags.dtype(), flags.device(), json_out, threads])
@@ -85,6 +102,12 @@ def register(subparsers) -> None:
                           "tokenizer) scores every method's text: its perplexity of the output given the prompt")
     bdd.set_defaults(func=run_dd2)
 
+    bpl = methods.add_parser("plot", help="redraw saved bench records as a speed-quality plot",
+                             description=f"Draw `diffar bench` JSON records: {PLOT_HELP}.")
+    bpl.add_argument("--results", nargs="+", required=True, metavar="JSON", help="bench JSON files, drawn together")
+    bpl.add_argument("--out", type=image, required=True, metavar="FILE.png", help="the image to write")
+    bpl.set_defaults(func=run_plot)
+
 
 def _draft_peer(args) -> None:
     """ar+draft needs a small AR drafter: --draft, or else the shipped one where it shares the model's tokenizer;
@@ -101,24 +124,36 @@ def _draft_peer(args) -> None:
           f"CHECKPOINT (a small AR model with its tokenizer) to include it", file=sys.stderr)
 
 
+def _report(records, args) -> None:
+    """The table, the JSON records and, with --plot, their plot (dated today: the records carry no date)."""
+    from diffar.evaluation.bench import print_table, write_records
+
+    print_table(records)
+    write_records(records, args.out)
+    if args.plot:
+        save(draw(select([asdict(r) for r in records], date=date.today().isoformat())), args.plot)
+
+
+def run_plot(args) -> None:
+    save(draw(select([r for path in args.results for r in load_records(path)])), args.out)
+
+
 def run_ar(args) -> None:
-    from diffar.evaluation.bench import bench_ar, print_table, write_records
+    from diffar.evaluation.bench import bench_ar
 
     records = bench_ar(args.checkpoint, args.corpus, args.batch_sizes, args.new_tokens, args.repeats, args.dtype,
                        tuple(args.methods), args.peer, args.device)
-    print_table(records)
-    write_records(records, args.out)
+    _report(records, args)
 
 
 def _lossless(args, **infill) -> None:
     """AR against the lossless draft-and-verify methods; `infill`: refusion-infill's plan settings."""
-    from diffar.evaluation.bench import bench_lossless, print_table, write_records
+    from diffar.evaluation.bench import bench_lossless
 
     _draft_peer(args)
     records = bench_lossless(args.checkpoint, args.draft, args.corpus, args.prompts, args.new_tokens, args.k,
                              args.batch_sizes, args.methods, split=args.split, **infill)
-    print_table(records)
-    write_records(records, args.out)
+    _report(records, args)
 
 
 def run_speculative(args) -> None:
@@ -130,20 +165,18 @@ def run_refusion(args) -> None:
         if args.dtype != "fp32" or args.temperature:
             raise DiffarError("--dtype and --temperature apply to --set runs (corpus runs are greedy, fp32)")
         return _lossless(args, plan_threshold=args.plan_threshold, plan_slot=args.plan_slot)
-    from diffar.evaluation.bench import bench_prompt_set, print_table, write_records
+    from diffar.evaluation.bench import bench_prompt_set
 
     _draft_peer(args)
     records = bench_prompt_set(args.checkpoint, args.set, args.prompts, args.new_tokens, args.batch_sizes,
                                args.methods, draft=args.draft if "ar+draft" in args.methods else None, k=args.k,
                                temperature=args.temperature, dtype=args.dtype, seed=args.seed, data=args.corpus)
-    print_table(records)
-    write_records(records, args.out)
+    _report(records, args)
 
 
 def run_dd2(args) -> None:
-    from diffar.evaluation.bench import bench_dd2, print_table, write_records
+    from diffar.evaluation.bench import bench_dd2
 
     records = bench_dd2(args.checkpoint, args.ar, args.corpus, args.prompts, args.new_tokens, args.batch_sizes,
                         args.methods, args.seed, args.split, args.dtype, args.scorer)
-    print_table(records)
-    write_records(records, args.out)
+    _report(records, args)
