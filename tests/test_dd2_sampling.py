@@ -174,6 +174,7 @@ def test_hybrid_is_one_step_prefix_then_ar_continuation():
     rest = generate(ar, [p + t for p, t in zip(prompts, one.tokens)], 14, pad_id=0, eos_id=None)
     assert hybrid.tokens == [t + r for t, r in zip(one.tokens, rest.tokens)]
     assert hybrid.forward_passes == one.forward_passes + rest.forward_passes
+    assert hybrid.origins == [["diffusion"] * 6 + ["ar"] * 14] * 3  # who wrote which
 
 
 def test_hybrid_continues_the_seq2seq_texts_that_did_not_end():

@@ -125,10 +125,10 @@ def test_a_client_that_goes_away_frees_its_row(engine, method, batches):
     """Its row stops decoding at the next token; the rest of the batch is decoded as if it were not there."""
     @dataclass
     class LeavesAfterThree(Request):
-        def push(self, token, tokenizer):
+        def push(self, token, origin, tokenizer):
             if len(self.tokens) == 3:
                 self.cancelled.set()
-            return super().push(token, tokenizer)
+            return super().push(token, origin, tokenizer)
 
     leaving, staying = LeavesAfterThree(PROMPTS[0], 20, GREEDY), Request(PROMPTS[1], 20, GREEDY)
     serve(engine, [leaving, staying])
@@ -218,7 +218,7 @@ class Clockwork:
         time.sleep(self.STEP * max(budgets))
         for row, n in enumerate(budgets):
             for _ in range(n):
-                if on_token and on_token(row, 1) is False:
+                if on_token and on_token(row, 1, "ar") is False:
                     break
         return GenerationResult(tokens=[[1] * n for n in budgets], ended=[False] * len(prompts), passes={},
                                 seconds=0.0)

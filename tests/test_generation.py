@@ -35,13 +35,13 @@ def test_rows_stop_independently_at_eos(tiny_model):
 
 def test_streaming_callback_sees_every_token_in_order(tiny_model):
     seen = {0: [], 1: []}
-    result = generate(tiny_model, PROMPTS[:2], 10, pad_id=0, eos_id=None, on_token=lambda r, t: seen[r].append(t))
+    result = generate(tiny_model, PROMPTS[:2], 10, pad_id=0, eos_id=None, on_token=lambda r, t, _: seen[r].append(t))
     assert [seen[0], seen[1]] == result.tokens
 
 
 def test_callback_can_stop_one_row(tiny_model):
     free = generate(tiny_model, PROMPTS, 10, pad_id=0, eos_id=None)
-    stopped = generate(tiny_model, PROMPTS, 10, pad_id=0, eos_id=None, on_token=lambda r, t: r != 2)
+    stopped = generate(tiny_model, PROMPTS, 10, pad_id=0, eos_id=None, on_token=lambda r, t, _: r != 2)
     assert stopped.tokens[2] == free.tokens[2][:1]
     assert [t for r, t in enumerate(stopped.tokens) if r != 2] == [t for r, t in enumerate(free.tokens) if r != 2]
 
@@ -54,6 +54,13 @@ def test_fixed_tokens_are_kept_and_decoding_follows_them(tiny_model):
     # what follows the pins is what the model says after them
     continued = generate(tiny_model, [PROMPTS[0] + pinned.tokens[0][:5]], 5, pad_id=0, eos_id=None)
     assert pinned.tokens[0][5:] == continued.tokens[0]
+
+
+def test_plain_ar_writes_every_token_but_the_pins(tiny_model):
+    streamed = [[], []]
+    result = generate(tiny_model, PROMPTS[:2], 10, pad_id=0, eos_id=None, fixed=[{3: 77, 4: 78}, {}],
+                      on_token=lambda r, t, origin: streamed[r].append(origin))
+    assert result.origins == streamed == [["ar"] * 3 + ["pinned"] * 2 + ["ar"] * 5, ["ar"] * 10]
 
 
 def test_sampling_is_seeded(tiny_model):

@@ -41,8 +41,12 @@ def test_every_method_answers_the_protocol(checkpoints):
         settings = method.settings(Options())
         assert ids and method.room(ids, settings) > 0 and method.fits(len(ids), 4)
         budgets = [3, 5]
-        out = method.generate([ids, ids], budgets, settings, generator=torch.Generator().manual_seed(0))
+        streamed = [[], []]  # who wrote each token, as the callback hears it
+        out = method.generate([ids, ids], budgets, settings, generator=torch.Generator().manual_seed(0),
+                              fixed=[{1: ids[0]}, {}], on_token=lambda row, token, origin: streamed[row].append(origin))
         assert all(len(t) <= b for t, b in zip(out.tokens, budgets)) and out.seconds > 0 and out.forward_passes > 0
+        assert out.origins == streamed and list(map(len, out.origins)) == list(map(len, out.tokens))
+        assert out.origins[0][1] == "pinned" and "pinned" not in out.origins[0][:1] + out.origins[1]
         assert len(out.ended) == 2 and all(isinstance(v, int) for v in out.passes.values())
 
 

@@ -52,6 +52,18 @@ def test_streaming_equals_non_streaming(client):
     assert "".join(c.choices[0].delta.content or "" for c in chat) == full.choices[0].text
 
 
+def test_who_wrote_each_token_is_streamed_and_reported(server):
+    """Plain AR wrote every token but the pinned ones: each text delta says so of the tokens it completes (an
+    extra field OpenAI clients ignore), and the response lists them all, token by token."""
+    body = {"prompt": "And he said", "max_tokens": 10, "temperature": 0, "fixed_tokens": {"3": 5}}
+    said = httpx.post(server + "/v1/completions", json=body, timeout=60).json()["diffar"]
+    assert said["origins"] == ["ar"] * 3 + ["pinned"] + ["ar"] * (len(said["token_ids"]) - 4)
+    with httpx.stream("POST", server + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        extras = [json.loads(line[6:]).get("diffar", {}) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [o for d in extras if "token_ids" not in d for o in d.get("origins", [])] == said["origins"]
+    assert extras[-1]["origins"] == said["origins"]
+
+
 def test_stop_sequences(client):
     full = client.completions.create(model="tiny", prompt="And he said", max_tokens=16, temperature=0).choices[0].text
     assert len(full) >= 6

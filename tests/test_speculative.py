@@ -104,6 +104,24 @@ def test_a_perfect_drafter_needs_few_target_passes(target):
     assert spec.passes["target"] <= 1 + -(-24 // 9)
 
 
+def test_origins_say_which_tokens_were_drafts(target, drafter):
+    """Every token is an accepted draft or the target's own (one per verification, the first token's prefill
+    included), as the callback said while streaming; the drafts are exactly the accepted-draft count."""
+    perfect = speculative_generate(target, DraftModel(copy.deepcopy(target)), [PROMPTS[0]], 24, k=8, eos_id=None)
+    (origins,) = perfect.origins
+    assert len(origins) == 24 and origins.count("ar") == perfect.passes["target"]
+    assert origins.count("draft") == perfect.extra["accepted"] > 2 * origins.count("ar")  # mostly drafts
+    streamed = [[] for _ in PROMPTS]
+    noisy = speculative_generate(target, DraftModel(drafter), PROMPTS, 30, k=6, eos_id=None,
+                                 on_token=lambda row, token, origin: streamed[row].append(origin))
+    assert noisy.origins == streamed and list(map(len, noisy.origins)) == list(map(len, noisy.tokens))
+    assert sum(o.count("draft") for o in noisy.origins) == noisy.extra["accepted"] > 0
+    assert all(o[0] == "ar" and set(o) <= {"ar", "draft"} for o in noisy.origins)
+    pins = [{0: 77}, {4: 78, 5: 79}, {}, {9: 80}]
+    pinned = speculative_generate(target, DraftModel(drafter), PROMPTS, 30, k=6, eos_id=None, fixed=pins)
+    assert [[i for i, o in enumerate(row) if o == "pinned"] for row in pinned.origins] == [sorted(p) for p in pins]
+
+
 def test_eos_inside_a_block_ends_generation(target):
     plain = generate(target, [PROMPTS[2]], 24, pad_id=0, eos_id=None).tokens[0]
     eos = plain[5]
@@ -131,7 +149,7 @@ def test_pinned_tokens_equal_plain_ar_with_the_same_pins(target):
 def test_callback_can_stop_one_row(target):
     free = speculative_generate(target, PromptLookup(), PROMPTS, 20, k=4, eos_id=None).tokens
     stopped = speculative_generate(target, PromptLookup(), PROMPTS, 20, k=4, eos_id=None,
-                                   on_token=lambda row, token: row != 1).tokens
+                                   on_token=lambda row, token, _: row != 1).tokens
     assert stopped[1] == free[1][:1] and [t for r, t in enumerate(stopped) if r != 1] == free[:1] + free[2:]
 
 

@@ -77,7 +77,7 @@ def stream_answer(method, ids: list[int], budget: int, settings, generator):
     characters) and ending the line; returns (the text, the GenerationResult)."""
     tokenizer, new, printed = method.tokenizer, [], ""
 
-    def stream(row: int, token: int) -> None:
+    def stream(row: int, token: int, origin: str) -> None:
         nonlocal printed
         new.append(token)
         text = tokenizer.decode_complete(new)

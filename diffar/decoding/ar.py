@@ -15,15 +15,15 @@ from dataclasses import dataclass
 import torch
 
 from diffar.data.batching import pad_right
-from diffar.decoding.result import GenerationResult
+from diffar.decoding.result import AR, PINNED, GenerationResult, written_by
 from diffar.decoding.sampling import SamplingConfig, sample_coupled, sample_next
 from diffar.errors import DiffarError
 from diffar.models.precision import model_device
 from diffar.models.transformer import Transformer
 
-# (row, token id), called as each token is produced; returning False stops that row (a stop string,
-# its own token budget, a client that went away) while the other rows go on.
-TokenCallback = Callable[[int, int], bool | None]
+# (row, token id, who wrote it: decoding/result.py's origins), called as each token is produced; returning False
+# stops that row (a stop string, its own token budget, a client that went away) while the other rows go on.
+TokenCallback = Callable[[int, int, str], bool | None]
 
 
 @dataclass
@@ -123,9 +123,9 @@ def decode_n_tokens(
                     logits[row, eos_id] = float("-inf")
         token = sample_next(logits, sampling, generator) if noise is None else \
             sample_coupled(logits, sampling, noise[:, i])
-        for row, pins in enumerate(fixed or ()):
-            if i in pins:
-                token[row] = pins[i]
+        pinned = [row for row, pins in enumerate(fixed or ()) if i in pins]
+        for row in pinned:
+            token[row] = fixed[row][i]
         for row in range(B):
             if done[row]:
                 continue
@@ -134,7 +134,7 @@ def decode_n_tokens(
                 done[row] = ended[row] = True
                 continue
             out[row].append(t)
-            if on_token and on_token(row, t) is False:
+            if on_token and on_token(row, t, PINNED if row in pinned else AR) is False:
                 done[row] = True
         if bool(done.all()) or i == n - 1:
             break
@@ -190,7 +190,8 @@ def generate(
         step = _uncached_step(model, batch)
     tokens, passes, ended = decode_n_tokens(model, batch, logits, max_new_tokens, sampling, eos_id, on_token,
                                             generator, step, fixed, noise)
-    return GenerationResult(tokens, time.perf_counter() - t0, {"target": passes + 1}, ended)
+    return GenerationResult(tokens, time.perf_counter() - t0, {"target": passes + 1}, ended,
+                            origins=written_by(tokens, AR, fixed))
 
 
 @torch.inference_mode()

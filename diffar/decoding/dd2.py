@@ -25,7 +25,7 @@ import torch
 
 from diffar.data.batching import pad_right
 from diffar.decoding.ar import generate, log_likelihoods
-from diffar.decoding.result import GenerationResult
+from diffar.decoding.result import AR, DIFFUSION, GenerationResult, written_by
 from diffar.diffusion.scheduler import SCHEDULERS
 from diffar.errors import DiffarError
 from diffar.models.dd2 import DD2Model
@@ -258,6 +258,7 @@ def hybrid_generate(model: DD2Model, ar: Transformer, sources: list[list[int]], 
     one = dd2_generate(model, sources, min(prefix, max_new), sampling=sampling, eos_id=eos_id, pad_id=pad_id,
                        generator=generator)
     tokens = [list(toks) for toks in one.tokens]
+    origins = written_by(tokens, DIFFUSION, None)
     seconds, ar_passes = one.seconds, 0
     todo = [i for i, done in enumerate(one.ended) if not done and len(tokens[i]) < max_new]
     if todo:
@@ -265,8 +266,10 @@ def hybrid_generate(model: DD2Model, ar: Transformer, sources: list[list[int]], 
         rest = generate(ar, [prompts[i] + tokens[i] for i in todo], budget, pad_id=pad_id, eos_id=eos_id)
         seconds, ar_passes = seconds + rest.seconds, rest.passes["target"]
         for i, more in zip(todo, rest.tokens):
-            tokens[i] += more[:max_new - len(tokens[i])]
-    return replace(one, tokens=tokens, seconds=seconds, passes={**one.passes, "target": ar_passes})
+            more = more[:max_new - len(tokens[i])]
+            tokens[i] += more
+            origins[i] += [AR] * len(more)
+    return replace(one, tokens=tokens, seconds=seconds, passes={**one.passes, "target": ar_passes}, origins=origins)
 
 
 def best_of_generate(model: DD2Model, judge: Transformer | None, sources: list[list[int]],

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from diffar.decoding.ar import Batch, TokenCallback, check_lengths
-from diffar.decoding.result import GenerationResult
+from diffar.decoding.result import AR, DRAFT, PINNED, GenerationResult
 from diffar.decoding.sampling import SamplingConfig, probabilities, sample_next
 from diffar.decoding.tree import ancestor_mask, chain, depths, graft, walk
 from diffar.errors import DiffarError
@@ -319,8 +319,8 @@ def speculative_generate(
     adaptive: bool = False,
     fixed: list[dict[int, int]] | None = None,
 ) -> GenerationResult:
-    """Draft-and-verify generation for a batch of prompts; `on_token(row, token)` streams accepted tokens
-    (returning False ends that row).
+    """Draft-and-verify generation for a batch of prompts; `on_token(row, token, origin)` streams accepted tokens,
+    each an accepted draft or the target's own (returning False ends that row); the result's `origins` say the same.
 
     The proposer drafts up to k tokens per row (`adaptive`: fewer when little gets accepted); rows finish
     independently (eos, `max_new_tokens`, or the callback). `fixed[row]` pins output positions to tokens as
@@ -371,18 +371,19 @@ def speculative_generate(
     passes, drafted, accepted_total = 1, 0, 0
     block = AdaptiveBlock(k, adaptive)
 
-    def emit(row: int, t: int) -> bool:
+    def emit(row: int, t: int, origin: str) -> bool:
         """Append a token to a row; False once the row is over (eos or its budget)."""
         if t == eos_id:
             done[row] = ended[row] = True
             return False
         state.seqs[row].append(t)
-        stopped = on_token is not None and on_token(row, t) is False
+        stopped = on_token is not None and on_token(row, t, origin) is False
         done[row] = stopped or state.new_tokens(row) >= max_new_tokens
         return not done[row]
 
+    origins = [[PINNED if 0 in pins[r] else AR] for r in range(B)]  # per row, a round's worth at a time
     for row, t in enumerate(first):
-        emit(row, t)
+        emit(row, t, origins[row][0])
     draft_seconds = 0.0
     while not all(done):
         t_draft = time.perf_counter()
@@ -425,11 +426,14 @@ def speculative_generate(
             drafted, accepted_total = drafted + len(d), accepted_total + len(path)
             if d:
                 accepted_now.append(len(path))
-            for t in [d[i - 1] for i in path] + [token]:
-                if not emit(r, t):
+            written = [DRAFT] * len(path) + [AR if pin is None else PINNED]
+            origins[r] += written
+            for t, origin in zip([d[i - 1] for i in path] + [token], written):
+                if not emit(r, t, origin):
                     break
         state.write += used
         block.update(accepted_now)
     out = [seq[n:] for seq, n in zip(state.seqs, state.prompt_lengths)]
     return GenerationResult(out, time.perf_counter() - t0, {"target": passes, "draft": proposer.passes}, ended,
-                            {"drafted": drafted, "accepted": accepted_total, "draft_seconds": draft_seconds})
+                            {"drafted": drafted, "accepted": accepted_total, "draft_seconds": draft_seconds},
+                            [o[:len(t)] for o, t in zip(origins, out)])  # a row's last round may have stopped early

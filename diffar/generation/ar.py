@@ -56,12 +56,13 @@ class ARMethod:
             prompts, budgets = prompts + [prompts[0]] * filler, budgets + [1] * filler
             fixed = fixed and fixed + [{}] * filler
             given = on_token
-            on_token = given and (lambda row, token: row < rows and given(row, token))
+            on_token = given and (lambda row, token, origin: row < rows and given(row, token, origin))
         decode = dict(eos_id=None if ignore_eos else self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
                       sampling=settings, generator=generator, on_token=within_budgets(budgets, on_token), fixed=fixed)
         if self.proposer is None:
             result = generate(self.model, prompts, max(budgets), use_cache=self.use_cache, **decode)
-            return replace(result, tokens=result.tokens[:rows], ended=result.ended[:rows])
+            return replace(result, tokens=result.tokens[:rows], ended=result.ended[:rows],
+                           origins=result.origins[:rows])
         return speculative_generate(self.model, self.proposer, prompts, max(budgets), k=self.k, adaptive=self.adaptive,
                                     **decode)
 

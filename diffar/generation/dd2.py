@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from diffar.data.batching import ar_prompt
 from diffar.decoding.dd2 import DD2Sampling, best_of_generate, dd2_generate, hybrid_generate
-from diffar.decoding.result import GenerationResult
+from diffar.decoding.result import DIFFUSION, GenerationResult, written_by
 from diffar.generation.method import Options, OptionError, per_row
 from diffar.models.dd2 import DD2Model
 from diffar.models.transformer import Transformer
@@ -84,12 +84,14 @@ class DD2Method:
                                       fixed=fixed, **decode)
         else:
             result = dd2_generate(self.model, sources, max(budgets), on_step=on_step, fixed=fixed, **decode)
+        origins = result.origins or written_by(result.tokens, DIFFUSION, fixed)  # hybrid: its AR's too
         for row, tokens in enumerate(result.tokens):  # every row's text is ready at once: hand it over
             result.tokens[row] = tokens = tokens[:budgets[row]]
             for i, token in enumerate(tokens):
-                if on_token is not None and on_token(row, token) is False:
+                if on_token is not None and on_token(row, token, origins[row][i]) is False:
                     result.tokens[row] = tokens[:i + 1]
                     break
+        result.origins = [o[:len(t)] for o, t in zip(origins, result.tokens)]
         return result
 
     def describe(self, result: GenerationResult, settings: DD2Sampling) -> tuple[str, str]:

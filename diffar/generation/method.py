@@ -7,7 +7,8 @@ A method is built from a loaded checkpoint (plus what it works with: a drafter, 
 - `settings(options)` -> its own sampling settings from `Options`, filled from CLI flags, an HTTP body or a
   bench method name alike (the one place that policy lives);
 - `generate(prompts, budgets, settings, ...)` -> a `GenerationResult` for a batch with per-row budgets; every
-  new token goes to `on_token(row, token)` (returning False ends that row), DD2's after its last step.
+  new token goes to `on_token(row, token, origin)` (returning False ends that row), DD2's after its last step;
+  `origin` says who wrote it (decoding/result.py), as the result's `origins` do.
 """
 
 from __future__ import annotations
@@ -93,9 +94,9 @@ def within_budgets(budgets: list[int], on_token: TokenCallback | None) -> TokenC
     """`on_token` that also ends each row at its own budget."""
     counts = [0] * len(budgets)
 
-    def callback(row: int, token: int) -> bool:
+    def callback(row: int, token: int, origin: str) -> bool:
         counts[row] += 1
-        wanted = on_token is None or on_token(row, token) is not False
+        wanted = on_token is None or on_token(row, token, origin) is not False
         return wanted and counts[row] < budgets[row]
 
     return callback

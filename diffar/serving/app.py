@@ -202,6 +202,8 @@ def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int =
                         chunk["diffar"] = summary(req, method, time.perf_counter() - req.submitted)
                     elif ev.snapshot:  # no text delta: clients that only append text see nothing
                         chunk["diffar"] = {"method": method.name, "snapshot": ev.snapshot}
+                    elif ev.origins:  # who wrote the tokens this delta completes (a page's live tau)
+                        chunk["diffar"] = {"origins": ev.origins}
                     first = False
                     yield f"data: {json.dumps(chunk)}\n\n"
                 yield "data: [DONE]\n\n"

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diffar.decoding.dd2 import DD2Sampling
-from diffar.decoding.result import GenerationResult
+from diffar.decoding.result import DIFFUSION, PINNED, GenerationResult
 from diffar.decoding.sampling import SamplingConfig
 from diffar.generation.method import Options
 from diffar.tokenizer import Tokenizer
@@ -55,7 +55,8 @@ class Event:
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | None while running
     error: str | None = None
-    snapshot: dict | None = None  # a multi-step DD2 sample's whole text after one denoising step
+    snapshot: dict | None = None  # a multi-step DD2 sample's whole canvas after one denoising step
+    origins: list[str] = field(default_factory=list)  # who wrote the tokens since the last text delta
 
 
 @dataclass
@@ -73,6 +74,8 @@ class Request:
     submitted: float = field(default_factory=time.perf_counter)
     # filled in by the worker
     tokens: list[int] = field(default_factory=list)
+    origins: list[str] = field(default_factory=list)  # who wrote each token (decoding/result.py)
+    streamed: int = 0  # the origins already sent with a text delta
     text: str = ""
     stop_hit: bool = False
     passes: dict = field(default_factory=dict)  # the forward passes of the batch that decoded it, by kind
@@ -93,14 +96,16 @@ class Request:
         except RuntimeError:  # closed between the check and the call
             pass
 
-    def push(self, token: int, tokenizer: Tokenizer) -> bool:
-        """Take one generated token, stream what is safe to show; False once the request is finished.
+    def push(self, token: int, origin: str, tokenizer: Tokenizer) -> bool:
+        """Take one generated token and who wrote it, stream what is safe to show; False once the request is
+        finished.
 
         Text that could be the start of a stop string is held back until it is known not to be one.
         """
         if self.cancelled.is_set():
             return False
         self.tokens.append(token)
+        self.origins.append(origin)
         text = tokenizer.decode_complete(self.tokens)
         if text is None:  # half of a multi-byte character: wait for the rest
             return len(self.tokens) < self.max_tokens
@@ -113,9 +118,14 @@ class Request:
         return len(self.tokens) < self.max_tokens
 
     def snapshot(self, step: int, tokens: list[int], tokenizer: Tokenizer) -> None:
-        """Stream the whole text as it stands after denoising step `step` (1-based); it may still change."""
+        """Stream the whole canvas as it stands after denoising step `step` (1-based), token by token (a page
+        pins from any step); it may still change. Only DD2 forms its text in steps: its decoder wrote it all
+        but the pins."""
         if self.stream and not self.cancelled.is_set():
-            self.emit(Event(snapshot={"step": step, "text": tokenizer.decode(tokens[:self.max_tokens])}))
+            ids = tokens[:self.max_tokens]
+            self.emit(Event(snapshot={"step": step, "text": tokenizer.decode(ids), "token_ids": ids,
+                                      "tokens": pieces(ids, tokenizer),
+                                      "origins": [PINNED if i in self.fixed else DIFFUSION for i in range(len(ids))]}))
 
     def finish(self, tokenizer: Tokenizer) -> None:
         if not self.stop_hit:
@@ -126,8 +136,14 @@ class Request:
     def _show(self, text: str) -> None:
         if len(text) > len(self.text):
             if self.stream:
-                self.emit(Event(text=text[len(self.text):]))
+                self.emit(Event(text=text[len(self.text):], origins=self.origins[self.streamed:]))
+                self.streamed = len(self.origins)
             self.text = text
+
+
+def pieces(ids: list[int], tokenizer: Tokenizer) -> list[str]:
+    """Each token's own text, for a page that shows (and pins) them one by one."""
+    return [tokenizer.decode([t]) for t in ids]
 
 
 def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
@@ -300,7 +316,7 @@ class Engine:
         streaming = any(r.stream for r in batch)  # a DD2 snapshot costs a decoder pass per step
         t0 = time.perf_counter()
         result = self.method.generate([r.prompt_ids for r in batch], [r.max_tokens for r in batch], batch[0].sampling,
-                                      on_token=lambda row, token: batch[row].push(token, tok),
+                                      on_token=lambda row, token, origin: batch[row].push(token, origin, tok),
                                       on_step=on_step if streaming else None, generator=generator,
                                       fixed=[r.fixed for r in batch])
         seconds = time.perf_counter() - t0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from diffar.errors import DiffarError
 from diffar.generation import GenerationMethod, OptionError, Options
-from diffar.serving.engine import Request
+from diffar.serving.engine import Request, pieces
 from diffar.serving.protocol import METHODS, ChatCompletionRequest, CompletionRequest, GenerationFields, error_body
 from diffar.tokenizer import Tokenizer
 
@@ -118,10 +118,9 @@ def choice(text: str, finish: str | None, chat: bool, stream: bool, first: bool 
 
 def summary(req: Request, method: GenerationMethod, latency: float) -> dict:
     """diffar's extension of a response: speed, the forward passes its batch took, and the tokens one by one
-    (for pinning)."""
-    tokenizer = method.tokenizer
+    (for pinning), each with who wrote it (`origins`: decoding/result.py)."""
     return {"method": method.name, "latency_ms": round(1000 * latency, 1),
             "tokens_per_s": round(len(req.tokens) / latency, 1) if latency > 0 else None,
             "passes": req.passes,
-            "token_ids": req.tokens, "tokens": [tokenizer.decode([t]) for t in req.tokens],
+            "token_ids": req.tokens, "tokens": pieces(req.tokens, method.tokenizer), "origins": req.origins,
             "fixed_positions": sorted(req.fixed)}
