@@ -84,6 +84,16 @@ def tiny_refusion(tiny_run, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def domain_refusion(tiny_run, tmp_path_factory):
+    """A `tiny` ReFusion model with a domain adapter over the kjv2web,web2rv mixture, on `tiny_run`'s AR stream."""
+    out = tmp_path_factory.mktemp("runs") / "tiny-domains"
+    proc = run_cli("train", "refusion", "--corpus", "kjv2web,web2rv", "--domain-adapter", "--ar", tiny_run,
+                   "--out", out, "--max-steps", "3", "--block-size", "128", *TINY_TRAIN)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_run(tokenizer_path, tmp_path_factory):
     """A `tiny` seq2seq model trained for 10 steps through the CLI (a run folder)."""
     return train_tiny_ar("kjv2web", 10, tokenizer_path, tmp_path_factory)

@@ -128,6 +128,7 @@ def test_batched_equals_unbatched(server):
     ({"prompt": "x", "n": 3}, 400, "n"),
     ({"prompt": "x", "best_of": 2}, 400, "best_of"),
     ({"prompt": "x", "best_of": 0}, 400, "best_of"),
+    ({"prompt": "x", "domain": "shakespeare"}, 400, "domain"),
     ({"prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"prompt": "x", "steps": 0}, 400, "steps"),

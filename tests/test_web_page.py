@@ -155,6 +155,22 @@ def test_dd2_steps_can_be_viewed_and_pinned_from(browser, dd2_page):
     assert origins(browser)[position] == "pinned" and "pinned" in kept.get_attribute("class").split()
 
 
+def test_a_drafter_s_domain_is_chosen_on_the_page(browser, page, domain_refusion):
+    """A server whose diffusion stream has a domain adapter lists its domains; the page offers them and sends the
+    one chosen (the server refuses a request without one), and hides the choice where there is none."""
+    open_page(browser, page, "And God said", 4)
+    assert not browser.find_element(By.ID, "domain").is_displayed()
+    with serving(domain_refusion) as url:
+        open_page(browser, url, "And God said, Let there be light: and there was light.", 12)
+        browser.find_element(By.ID, "method").send_keys("refusion")
+        WebDriverWait(browser, 10).until(lambda d: d.find_element(By.ID, "domain").is_displayed())
+        choice = browser.find_element(By.ID, "domain")
+        assert [o.text for o in choice.find_elements(By.TAG_NAME, "option")] == ["kjv2web", "web2rv"]
+        choice.send_keys("web2rv")
+        generate(browser, "generate")  # no error: the request named its domain
+        assert tokens(browser)
+
+
 @pytest.fixture(scope="module")
 def chat_page(smollm2_checkpoint):
     with serving(smollm2_checkpoint) as url:

@@ -79,6 +79,8 @@ def register(subparsers) -> None:
     brf.add_argument("--plan-threshold", type=flags.float_in(0, 1), default=0.9,
                      help="refusion-infill: keep drafts this confident")
     brf.add_argument("--plan-slot", type=flags.positive_int, default=1, help="refusion-infill: tokens per planned slot")
+    brf.add_argument("--domain", help="the domain a diffusion stream with a domain adapter drafts for (default: the "
+                                      "prompt corpus's own)")
     brf.add_argument("--set", choices=SOURCES,
                      help="a chat model's prompt set instead of a corpus: code (HumanEval), chat (a fixed list, then "
                           "held-out self-written instructions), shakespeare (test windows); methods may add the "
@@ -147,7 +149,7 @@ def run_ar(args) -> None:
 
 
 def _lossless(args, **infill) -> None:
-    """AR against the lossless draft-and-verify methods; `infill`: refusion-infill's plan settings."""
+    """AR against the lossless draft-and-verify methods; `infill`: refusion-infill's plan settings, the domain."""
     from diffar.evaluation.bench import bench_lossless
 
     _draft_peer(args)
@@ -164,7 +166,9 @@ def run_refusion(args) -> None:
     if not args.set:
         if args.dtype != "fp32" or args.temperature:
             raise DiffarError("--dtype and --temperature apply to --set runs (corpus runs are greedy, fp32)")
-        return _lossless(args, plan_threshold=args.plan_threshold, plan_slot=args.plan_slot)
+        return _lossless(args, plan_threshold=args.plan_threshold, plan_slot=args.plan_slot, domain=args.domain)
+    if args.domain:
+        raise DiffarError("--domain applies to corpus runs (a --set run's block drafter has no domain adapter)")
     from diffar.evaluation.bench import bench_prompt_set
 
     _draft_peer(args)

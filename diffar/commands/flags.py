@@ -16,7 +16,8 @@ DEFAULT_TOKENIZER = Path(__file__).resolve().parents[2] / "tokenizer" / "diffar-
 CORPORA = (f"an embedded corpus ({', '.join(EMBEDDED)}; fixed splits), or a file/folder of your own: a text file, "
            "a folder of *.txt, or JSON Lines of source/target (gzipped or not). A file's splits: train = 19 of every "
            "20 records (or the first 95%% of each text), valid = the 20th (the last 5%%), test = the whole file "
-           "(so test on a separate file)")
+           "(so test on a separate file). Several of one task, comma-separated (shakespeare,rv1909), are one mixture, "
+           "each record labelled with its corpus (a domain adapter's domain)")
 SPLIT_HELP = ("valid for comparing training choices (ablations), test for the reported figures; of your own file, "
               "valid is the held-out 1/20 of the training file and test a whole separate file")
 INFERENCE_DTYPES = ("fp32", "bf16", "int8")

@@ -51,6 +51,8 @@ def register(subparsers) -> None:
                    help="refusion --plan-infill: plan slots of N tokens, each kept or infilled whole (default 1)")
     g.add_argument("--tree", type=flags.int_in(1, flags.MAX_TREE), metavar="NODES",
                    help="refusion: verify a tree of the NODES likeliest drafts in each pass (lossless)")
+    g.add_argument("--domain", help="refusion: the domain its diffusion stream drafts for (a stream trained with "
+                                    "--domain-adapter on a mixture; one of its corpora)")
     g.set_defaults(func=run)
 
 
@@ -104,7 +106,8 @@ def speed_line(method, result, settings, prompt_tokens: int, dtype: str) -> str:
 # the `Options` field each generation flag sets
 OPTION_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "steps": "--steps",
                 "guidance_scale": "--guidance", "preset": "--preset", "tau": "--tau", "tau_min": "--tau-min",
-                "sampler": "--sampler", "adaptive": "--adaptive-steps", "best_of": "--best-of"}
+                "sampler": "--sampler", "adaptive": "--adaptive-steps", "best_of": "--best-of",
+                "domain": "--domain"}
 
 
 def _options(args, method: str):
@@ -113,7 +116,8 @@ def _options(args, method: str):
 
     options = replace(sampling_options(args), steps=None if method == "refusion" else args.steps,  # its drafts'
                       guidance_scale=args.guidance, preset=args.preset, tau=args.tau, tau_min=args.tau_min,
-                      sampler=args.sampler, adaptive=args.adaptive_steps, best_of=args.best_of or 1)
+                      sampler=args.sampler, adaptive=args.adaptive_steps, best_of=args.best_of or 1,
+                      domain=args.domain)
     unread = sorted(OPTION_FLAGS[name] for name in options.given() - METHODS[method].options)
     if unread:
         reads = ", ".join(OPTION_FLAGS[name] for name in sorted(METHODS[method].options))

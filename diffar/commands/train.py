@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from diffar.commands import flags
-from diffar.data.corpora import load_corpus
+from diffar.data.corpora import domain_name, load_corpus, mixture_parts
 from diffar.errors import DiffarError
 from diffar.models.dd2 import PRESETS as DD2_PRESETS
 from diffar.models.drafter import PRESETS as DRAFTER_PRESETS
@@ -72,6 +72,10 @@ def _register_refusion(models) -> None:
     rf.add_argument("--mse-weight", type=float, help="weight of the diffusion MSE (default 0.5)")
     rf.add_argument("--kl-weight", type=float, help="weight of KL(AR || diffusion) (default 0.1)")
     rf.add_argument("--grad-checkpoint", action="store_true", default=None, help="recompute activations in backward")
+    rf.add_argument("--domain-adapter", action="store_true", default=None,
+                    help="a domain adapter in the diffusion stream (models/domain_adapter.py): one embedding per "
+                         "corpus of the --corpus mixture (e.g. shakespeare,rv1909), each sequence told its own; "
+                         "decoding then names one (--domain)")
     rf.add_argument("--tokenizer", default=str(flags.DEFAULT_TOKENIZER), help="without --ar")
     rf.add_argument("--drafter", choices=["embedding", "block"], default="embedding",
                     help="embedding: Gaussian diffusion in the embedding space (the shipped 7M models); block: a "
@@ -116,15 +120,17 @@ def run_refusion(args) -> None:
         return run_block_drafter(args)
     given = [f"--{n.replace('_', '-')}" for n in ("draft_layers", "feature_layers", "draft_vocab", "loss_decay")
              if getattr(args, n) is not None]
+    domains = tuple(domain_name(part) for part in mixture_parts(args.corpus)) if args.domain_adapter else None
     if given:
         raise DiffarError(f"{', '.join(given)} apply to --drafter block only")
     model, tokenizer = setup.refusion_model(
         args.tokenizer, ar=args.ar, init=args.init, preset=args.preset or "small", seed=args.seed, stage=args.stage,
         freeze_ar=not args.train_ar, block=args.block, anchors=args.anchors, schedule=args.schedule,
         ar_weight=args.ar_weight, mse_weight=args.mse_weight, kl_weight=args.kl_weight,
-        grad_checkpoint=args.grad_checkpoint,
+        grad_checkpoint=args.grad_checkpoint, domains=domains,
         ar_fusion_layers=None if args.ar_fusion_layers is None else tuple(args.ar_fusion_layers))
-    data = setup.datasets(tokenizer, args.corpus, args.valid_corpus, model.config.ar.max_seq_len, args.block_size)
+    data = setup.datasets(tokenizer, args.corpus, args.valid_corpus, model.config.ar.max_seq_len, args.block_size,
+                          model.config.domains)
     setup.fit(model, "refusion", tokenizer, data, flags.train_config(args), args.out, override=args.override)
 
 
@@ -132,8 +138,8 @@ def run_block_drafter(args) -> None:
     """`train refusion --drafter block`: the target (--ar) frozen, the drafter's checkpoint naming it."""
     if not args.ar:
         raise DiffarError("a block drafter drafts for a trained AR model: pass --ar CHECKPOINT")
-    if args.train_ar or args.stage != "joint":
-        raise DiffarError("--train-ar and --stage apply to the embedding drafter only")
+    if args.train_ar or args.stage != "joint" or args.domain_adapter:
+        raise DiffarError("--train-ar, --stage and --domain-adapter apply to the embedding drafter only")
     if (args.preset or "block") not in DRAFTER_PRESETS:
         raise DiffarError(f"a block drafter's preset is one of {', '.join(DRAFTER_PRESETS)}, not {args.preset}")
     model, tokenizer = setup.drafter_model(

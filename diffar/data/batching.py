@@ -2,7 +2,8 @@
 source<sep>target<eos> sequences with the loss on the target only (seq2seq).
 
 Each dataset maps a list of example indices to a batch dict the model's forward takes
-(`tokens`, `targets`; targets of -100 are ignored by the loss).
+(`tokens`, `targets`; targets of -100 are ignored by the loss; for a model with domain adapters, `domain`:
+each row's domain index).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from diffar.data.corpora import Corpus
+from diffar.data.corpora import Corpus, domain_name
 from diffar.errors import DiffarError
 from diffar.tokenizer import Tokenizer
 
@@ -20,12 +21,13 @@ IGNORE_INDEX = -100
 
 
 class WindowDataset:
-    """All length-`block_size` windows of the concatenated documents (eos between documents)."""
+    """All length-`block_size` windows of the concatenated documents (eos between documents); with `domains`
+    (each token's domain index), a window's domain is its first token's."""
 
-    def __init__(self, tokens: torch.Tensor, block_size: int):
+    def __init__(self, tokens: torch.Tensor, block_size: int, domains: torch.Tensor | None = None):
         if tokens.numel() <= block_size + 1:
             raise DiffarError(f"corpus has {tokens.numel()} tokens, fewer than one window of {block_size + 1}")
-        self.tokens, self.block_size = tokens, block_size
+        self.tokens, self.block_size, self.domains = tokens, block_size, domains
 
     def __len__(self) -> int:
         return self.tokens.numel() - self.block_size - 1
@@ -34,13 +36,16 @@ class WindowDataset:
         return torch.randint(len(self), (n,), generator=generator).tolist()
 
     def eval_indices(self, max_examples: int) -> list[int]:
-        """Non-overlapping windows: every token scored once."""
-        return list(range(0, len(self), self.block_size))[:max_examples]
+        """Non-overlapping windows: every token scored once; fewer, spread evenly over the text (every document of
+        a mixture's)."""
+        windows = range(0, len(self), self.block_size)
+        return [windows[i * len(windows) // max_examples] for i in range(min(max_examples, len(windows)))]
 
     def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
         offsets = torch.tensor(indices).unsqueeze(1) + torch.arange(self.block_size + 1)
         seq = self.tokens[offsets]
-        return {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
+        batch = {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
+        return batch if self.domains is None else {**batch, "domain": self.domains[torch.tensor(indices)]}
 
 
 class PairDataset:
@@ -48,14 +53,16 @@ class PairDataset:
     the pairs are a model's prompt and response ids, already complete (token records): prompt + response."""
 
     def __init__(self, examples: list[tuple[list[int], list[int]]], tokenizer: Tokenizer, block_size: int,
-                 joined: bool = False):
+                 joined: bool = False, domains: list[int] | None = None):
         self.pad_id = tokenizer.pad_id
-        self.seqs, self.prefix = [], []
-        for src, tgt in examples:
+        self.seqs, self.prefix, self.domains = [], [], None if domains is None else []
+        for i, (src, tgt) in enumerate(examples):
             seq = src + tgt if joined else src + [tokenizer.sep_id] + tgt + [tokenizer.eos_id]
             if len(seq) <= block_size + 1 and len(seq) > len(src) + (not joined):
                 self.seqs.append(seq)
                 self.prefix.append(len(src) + (not joined))
+                if domains is not None:
+                    self.domains.append(domains[i])
         if not self.seqs:
             raise DiffarError(f"no source/target pair fits in a block of {block_size} tokens")
         self.dropped = len(examples) - len(self.seqs)
@@ -81,23 +88,40 @@ class PairDataset:
             seq, p = torch.tensor(self.seqs[i]), self.prefix[i]
             tokens[row, : len(seq) - 1] = seq[:-1]
             targets[row, p - 1 : len(seq) - 1] = seq[p:]
-        return {"tokens": tokens, "targets": targets}
+        batch = {"tokens": tokens, "targets": targets}
+        return batch if self.domains is None else {**batch, "domain": torch.tensor([self.domains[i] for i in indices])}
 
 
-def build_dataset(corpus: Corpus, tokenizer: Tokenizer, block_size: int) -> WindowDataset | PairDataset:
+def domain_labels(corpus: Corpus, domains: tuple[str, ...]) -> list[int]:
+    """Each record's index in `domains` (a model's domain names): its mixture label, or the corpus's own name."""
+    labels = corpus.domains or [domain_name(corpus.name)] * len(corpus.documents or corpus.pairs or corpus.sequences)
+    unknown = sorted(set(labels) - set(domains))
+    if unknown:
+        raise DiffarError(f"the model's domains are {', '.join(domains)}; the data is also of {', '.join(unknown)}")
+    return [domains.index(label) for label in labels]
+
+
+def build_dataset(corpus: Corpus, tokenizer: Tokenizer, block_size: int,
+                  domains: tuple[str, ...] = ()) -> WindowDataset | PairDataset:
+    """`domains`: a domain-adapted model's domain names; every batch then says each row's (`domain_labels`)."""
+    labels = domain_labels(corpus, domains) if domains else None
     if corpus.sequences is not None:
         if corpus.tokenizer != tokenizer.sha256[:16]:
             raise DiffarError(f"{corpus.name} holds token ids of another tokenizer than this model's")
-        return PairDataset(corpus.sequences, tokenizer, block_size, joined=True)
+        return PairDataset(corpus.sequences, tokenizer, block_size, joined=True, domains=labels)
     if corpus.task == "continuation":
         ids: list[int] = []
+        starts = []  # where each document begins
         for doc in corpus.documents:
+            starts.append(len(ids))
             ids.extend(tokenizer.encode(doc))
             ids.append(tokenizer.eos_id)
-        return WindowDataset(torch.tensor(ids, dtype=torch.long), block_size)
+        owners = None if labels is None else torch.tensor(labels).repeat_interleave(
+            torch.tensor(starts[1:] + [len(ids)]) - torch.tensor(starts))  # each token's document's domain
+        return WindowDataset(torch.tensor(ids, dtype=torch.long), block_size, owners)
     sources = tokenizer.encode_batch([p.source for p in corpus.pairs])
     targets = tokenizer.encode_batch([p.target for p in corpus.pairs])
-    return PairDataset(list(zip(sources, targets)), tokenizer, block_size)
+    return PairDataset(list(zip(sources, targets)), tokenizer, block_size, domains=labels)
 
 
 def prompt_ids(tokenizer: Tokenizer, task: str, text: str) -> list[int]:

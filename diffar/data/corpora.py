@@ -9,6 +9,9 @@ fixed splits; anything else is a path, read by its content (gzipped or not, what
   - any other text file, or a folder of `*.txt` files                 -> continuation (one document each)
 A file is JSON Lines when its first line is a JSON object or its name ends in .jsonl/.json (then a parse error
 is an error, not text). Splits of a user's file: see `_user_split`.
+
+Several corpora of one task, comma-separated (`shakespeare,rv1909`), are one *mixture*: their records together,
+each labelled with its corpus, its *domain* (what a diffusion stream's domain adapter is told: models/domain_adapter.py).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class Corpus:
     pairs: list[Pair] | None = None
     sequences: list[tuple[list[int], list[int]]] | None = None  # token records: (prompt ids, response ids [+ eos])
     tokenizer: str | None = None  # token records: the tag of the tokenizer their ids belong to
+    domains: list[str] | None = None  # a mixture's: each document's or pair's corpus (`domain_name`)
 
     def texts(self) -> list[str]:
         """Every string in the corpus (for tokenizer training)."""
@@ -143,11 +147,43 @@ def _user_split(corpus: Corpus, split: str) -> Corpus:
     return Corpus(corpus.name, corpus.task, documents=[d for d in docs if d])
 
 
+def domain_name(name_or_path: str) -> str:
+    """A mixture's label for one of its corpora: an embedded corpus's name, a file's or folder's name without
+    its suffixes."""
+    return name_or_path if name_or_path in EMBEDDED else Path(name_or_path).name.split(".")[0]
+
+
+def mixture_parts(name_or_path: str) -> list[str]:
+    """The corpora of a comma-separated mixture (one name: itself)."""
+    return [part.strip() for part in name_or_path.split(",")] if "," in name_or_path else [name_or_path]
+
+
+def is_embedded(name: str) -> bool:
+    """Whether `name` is an embedded corpus or a mixture of them (fixed splits, none of it a user's file)."""
+    return all(part in EMBEDDED for part in mixture_parts(name))
+
+
+def _mixture(parts: list[str], split: str, whole: bool) -> Corpus:
+    names = [domain_name(part) for part in parts]
+    if len(set(names)) < len(names) or not all(parts):
+        raise DiffarError(f"a mixture names each corpus once, got {','.join(parts)!r}")
+    corpora = [load_corpus(part, split, whole=whole) for part in parts]
+    if len({c.task for c in corpora}) > 1 or any(c.sequences is not None for c in corpora):
+        raise DiffarError("a mixture's corpora must be of one task, all continuation text or all source/target "
+                          f"pairs: {', '.join(f'{n} is {c.task}' for n, c in zip(names, corpora))}")
+    field = "documents" if corpora[0].task == "continuation" else "pairs"
+    records = [getattr(c, field) for c in corpora]
+    return Corpus(",".join(parts), corpora[0].task, domains=[n for n, r in zip(names, records) for _ in r],
+                  **{field: [x for r in records for x in r]})
+
+
 def load_corpus(name_or_path: str, split: str = "train", *, whole: bool = False) -> Corpus:
     """Load a split of an embedded corpus by name, or of a user's file or folder (see `_user_split`;
-    `whole=True` takes all of a user's file, e.g. one given as validation data)."""
+    `whole=True` takes all of a user's file, e.g. one given as validation data), or of a mixture of them."""
     if split not in SPLITS:
         raise DiffarError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+    if "," in name_or_path:
+        return _mixture(mixture_parts(name_or_path), split, whole)
     if name_or_path in EMBEDDED:
         path = DATA_DIR / name_or_path / f"{split}.jsonl.gz"
         records = _jsonl(_read(path), path)
@@ -198,7 +234,7 @@ def checkpoint_corpus(meta: dict, name: str | None, split: str, prompts_only: bo
     corpus = load_corpus(name or meta["corpus"], split)
     if corpus.task != meta["task"] and not (prompts_only and not meta["corpus"]):
         raise DiffarError(f"{corpus.name} is a {corpus.task} corpus but the checkpoint was trained for {meta['task']}")
-    if corpus.name not in EMBEDDED and not prompts_only:
+    if not is_embedded(corpus.name) and not prompts_only:
         own = corpus.name == meta["corpus"]
         if split == "test" and own:
             raise DiffarError(f"{corpus.name} is the training data itself: score its held-out part with --split "

@@ -84,11 +84,11 @@ def plan_slots(confidence: torch.Tensor, threshold: float, slot: int) -> list[bo
 
 def denoise_block(diffuser: TextDiffuser, context: torch.Tensor, context_mask: torch.Tensor,
                   kv: dict[str, tuple], anchor: torch.Tensor, noise: torch.Tensor, steps: int,
-                  table: torch.Tensor | None = None) -> torch.Tensor:
+                  table: torch.Tensor | None = None, domain: torch.Tensor | None = None) -> torch.Tensor:
     """DDIM from pure noise (N, block, d) to token logits (N, block, V); the context as in TextDiffuser.
     The anchor slot holds the token each row's block follows (N,), clean; intermediate predictions snap to
     their nearest token embedding (Diffusion-LM's clamping) before being re-noised. `table`: the embedding
-    table to round against (`TextDiffuser.logits`)."""
+    table to round against (`TextDiffuser.logits`); `domain` (N,): each row's, for a stream with a domain adapter."""
     scheduler = DDIMScheduler(diffuser.schedule, prediction="x0")
     scheduler.set_timesteps(steps)
     anchor = diffuser.embed(anchor).unsqueeze(1)
@@ -96,7 +96,7 @@ def denoise_block(diffuser: TextDiffuser, context: torch.Tensor, context_mask: t
     for t in scheduler.timesteps.tolist():
         times = torch.full((len(z), z.shape[1] + 1), t, device=z.device)
         times[:, 0] = 0.0
-        x0 = diffuser(torch.cat([anchor, z], dim=1), times, context, context_mask, kv=kv)[:, 1:]
+        x0 = diffuser(torch.cat([anchor, z], dim=1), times, context, context_mask, kv=kv, domain=domain)[:, 1:]
         logits = diffuser.logits(x0, table)
         if scheduler.next_time(t) > 0:
             z = scheduler.step(diffuser.embed(logits.argmax(-1)), t, z)
@@ -104,17 +104,18 @@ def denoise_block(diffuser: TextDiffuser, context: torch.Tensor, context_mask: t
 
 
 class DiffusionDrafter:
-    """A proposer for `speculative_generate`: ReFusion's diffusion stream."""
+    """A proposer for `speculative_generate`: ReFusion's diffusion stream (drafting for `domain`, an index into the
+    model's domains, where it has a domain adapter)."""
 
     name = "diffusion"
     needs_hidden, taps = True, ()
 
     def __init__(self, model: RefusionModel, schedule: DraftSchedule = DraftSchedule(),
-                 prompt_words: list[int] | None = None):
+                 prompt_words: list[int] | None = None, domain: int | None = None):
         if not model.lossless:
             raise DiffarError("this ReFusion model's AR stream reads the diffusion stream (AR-side fusion), so its "
                               "drafts would change the text: lossless decoding needs ar_fusion_layers = ()")
-        self.model, self.schedule, self.prompt_words = model, schedule, prompt_words
+        self.model, self.schedule, self.prompt_words, self.domain = model, schedule, prompt_words, domain
         self.tree = schedule.tree
         self.passes = 0
         # Rounding a block against the 8k-row table is the stream's largest matmul; in bf16 it runs several
@@ -170,8 +171,9 @@ class DiffusionDrafter:
         self._update_kv(state)
         w = state.write
         kv = {i: (k[index, :, :w], v[index, :, :w]) for i, (k, v) in self.kv.items()}
+        domain = None if self.domain is None else torch.full((len(rows),), self.domain, device=noise.device)
         logits = denoise_block(d, state.hidden[index, :w], state.valid[index, :w].to(noise.device), kv, anchor, noise,
-                               max(steps), self.table)[:, :k].float()
+                               max(steps), self.table, domain)[:, :k].float()
         self.passes += max(steps)
         confidence = torch.softmax(logits, -1).amax(-1) if schedule.dynamic or schedule.plan_threshold else None
         for i, r in enumerate(rows):
@@ -196,14 +198,15 @@ def refusion_generate(model: RefusionModel, prompts: list[list[int]], max_new_to
                       prompt_words: list[int] | None = None, pad_id: int = 0,
                       sampling: SamplingConfig = SamplingConfig(),
                       generator: torch.Generator | None = None, on_token=None,
-                      adaptive: bool = True, fixed: list[dict[int, int]] | None = None) -> GenerationResult:
+                      adaptive: bool = True, fixed: list[dict[int, int]] | None = None,
+                      domain: int | None = None) -> GenerationResult:
     """ReFusion decoding of a batch, lossless unless `schedule.plan_threshold` is set; k (default: the model's
     block) caps the drafts verified per AR pass. `on_token`, `fixed` (pinned tokens) and `pad_id` as in
-    `speculative_generate`."""
+    `speculative_generate`; `domain`: the domain the stream drafts for (an index into its domains)."""
     k = model.config.block if k is None else k
     if k > model.config.block:
         raise DiffarError(f"block size {k} exceeds the {model.config.block} tokens this model drafts per pass")
-    proposer = DiffusionDrafter(model, schedule, prompt_words)
+    proposer = DiffusionDrafter(model, schedule, prompt_words, domain)
     if schedule.lookup:
         proposer = WithPromptLookup(proposer, k)
     return speculative_generate(model.ar, proposer, prompts, max_new_tokens, k=k, eos_id=eos_id, pad_id=pad_id,

@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from diffar.checkpoint import ar_stream, load_ar, load_checkpoint, load_for_inference
-from diffar.data.corpora import checkpoint_corpus
+from diffar.data.corpora import checkpoint_corpus, domain_name
 from diffar.decoding.refusion import DraftSchedule
 from diffar.decoding.result import GenerationResult
 from diffar.decoding.speculative import DraftModel, PromptLookup
@@ -193,11 +193,12 @@ def lossless_methods(model, tokenizer, task: str, draft_model, k: int, plan_thre
 
 def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, n_prompts: int, new_tokens: int,
                    k: int, batch_sizes: list[int], methods: list[str], plan_threshold: float = 0.9, plan_slot: int = 1,
-                   split: str = "test") -> list[BenchRecord]:
+                   split: str = "test", domain: str | None = None) -> list[BenchRecord]:
     """Greedy AR against the draft-and-verify methods, all verifying with the same AR weights (a ReFusion
     checkpoint's AR stream, or an AR checkpoint), on the same prompts in the same batches, from `split`
     (valid when comparing training choices). All are lossless but `refusion-infill` (plan-and-infill,
-    keeping diffusion drafts at least `plan_threshold` confident, in slots of `plan_slot` tokens).
+    keeping diffusion drafts at least `plan_threshold` confident, in slots of `plan_slot` tokens). A diffusion
+    stream with a domain adapter drafts for `domain`, by default the prompt corpus's own.
 
     seq2seq runs stop at eos (`_budget`); continuation runs make exactly `new_tokens` (eos ignored). Outputs
     are scored against the references (the real continuation, for continuation) and compared with plain
@@ -216,6 +217,9 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
     if not texts:
         raise DiffarError(f"{corpus.name} gives no {split} prompts")
     seq2seq = corpus.task == "seq2seq"
+    if isinstance(model, RefusionModel) and model.config.domains:
+        domain = domain or domain_name(corpus.name)
+    options = Options(domain=domain)
     records = []
     for bs in batch_sizes:
         batches = _batches(len(texts), bs)
@@ -223,7 +227,7 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
         for name in methods:
             method = builders[name]()
             prompts = [method.prompt(t) for t in texts]
-            results = _run(method, method.settings(Options()), prompts, batches, _budget(prompts, new_tokens, seq2seq),
+            results = _run(method, method.settings(options), prompts, batches, _budget(prompts, new_tokens, seq2seq),
                            ignore_eos=not seq2seq)
             outs = [t for r in results for t in r.tokens]
             reference_outputs = reference_outputs or outs
@@ -232,6 +236,7 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
             quality = text_metrics([tokenizer.decode(o).strip() for o in outs], references)
             records.append(_record(name, Path(corpus.name).name, prompts, results, batch_size=bs, extra={
                 "split": split, "prompts": len(prompts),
+                **({"domain": domain} if domain and name.startswith("refusion") else {}),
                 "plan_threshold": plan_threshold if name == "refusion-infill" else None,
                 "plan_slot": plan_slot if name == "refusion-infill" else None,
                 "k": None if name == "ar" else method.k,

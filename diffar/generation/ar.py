@@ -5,7 +5,7 @@ plan-and-infill aside)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 
 from diffar.data.batching import prompt_ids
 from diffar.decoding.ar import generate
@@ -24,6 +24,7 @@ from diffar.tokenizer import Tokenizer
 class ARMethod:
     name = "ar"
     options = frozenset({"temperature", "top_k", "top_p"})
+    domains: tuple[str, ...] = ()
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, task: str, *, proposer: Proposer | None = None,
                  k: int = 8, use_cache: bool = True, adaptive: bool = False, compiled: bool = False):
@@ -77,6 +78,14 @@ class ARMethod:
                                    f"{result.passes['draft']} {self.drafter} passes")
 
 
+@dataclass(frozen=True)
+class DraftSampling(SamplingConfig):
+    """ReFusion's settings: the AR stream's sampling, and the domain its diffusion stream drafts for (an index into
+    the model's domains; None for a stream without a domain adapter)."""
+
+    domain: int | None = None
+
+
 class RefusionMethod(ARMethod):
     """ReFusion: the diffusion stream drafts blocks from the AR stream's hidden states, the AR stream verifies
     them; `schedule` is how hard it drafts (one DDIM step per block by default; the DD2 seed post's dynamic
@@ -84,6 +93,7 @@ class RefusionMethod(ARMethod):
     target it is attached to, as a chain or a tree (`schedule.tree`)."""
 
     name = "refusion"
+    options = ARMethod.options | {"domain"}
 
     def __init__(self, model: RefusionModel | BlockDrafter, tokenizer: Tokenizer, task: str, *,
                  schedule: DraftSchedule = DraftSchedule(), k: int | None = None):
@@ -98,13 +108,25 @@ class RefusionMethod(ARMethod):
         super().__init__(model.target if block else model.ar, tokenizer, task, proposer=proposer, k=k_block,
                          adaptive=True)  # verify about 1.5x what recent blocks kept, as ReFusion's decoder
         self.refusion, self.schedule, self.drafter = model, schedule, "drafter" if block else "diffusion"
+        self.domains = () if block else model.config.domains
         if not block:
             self.k = k
         self.label = "refusion" + "".join(suffix for suffix, on in (
             ("-dynamic", schedule.dynamic), ("-infill", schedule.plan_threshold), ("-tree", schedule.tree),
             ("+prompt-lookup", schedule.lookup)) if on)
 
-    def generate(self, prompts: list[list[int]], budgets: int | list[int], settings: SamplingConfig, *,
+    def settings(self, options: Options) -> DraftSampling:
+        domains = self.domains
+        if options.domain is not None and options.domain not in domains:
+            raise OptionError("domain", f"unknown domain {options.domain!r}: this drafter serves "
+                                        f"{', '.join(domains) if domains else 'no domains (it has no domain adapter)'}")
+        if domains and options.domain is None:
+            raise OptionError("domain", f"this diffusion stream drafts for the domains {', '.join(domains)}: "
+                                        f"choose one")
+        sampling = super().settings(replace(options, domain=None))
+        return DraftSampling(**asdict(sampling), domain=domains.index(options.domain) if domains else None)
+
+    def generate(self, prompts: list[list[int]], budgets: int | list[int], settings: DraftSampling, *,
                  on_token=None, on_step=None, generator=None, fixed=None, ignore_eos: bool = False) -> GenerationResult:
         if self.proposer is not None:  # a block drafter: draft-and-verify as any proposer
             return super().generate(prompts, budgets, settings, on_token=on_token, generator=generator, fixed=fixed,
@@ -115,4 +137,4 @@ class RefusionMethod(ARMethod):
         return refusion_generate(self.refusion, prompts, max(budgets), k=self.k, schedule=self.schedule,
                                  prompt_words=words, eos_id=None if ignore_eos else self.tokenizer.eos_id,
                                  pad_id=self.tokenizer.pad_id, sampling=settings, generator=generator,
-                                 on_token=within_budgets(budgets, on_token), fixed=fixed)
+                                 on_token=within_budgets(budgets, on_token), fixed=fixed, domain=settings.domain)

@@ -18,6 +18,7 @@ CONTINUATION_ROOM = 1024  # the most new tokens a continuation DD2 model is aske
 class DD2Method:
     name = "dd2"
     options = frozenset({"steps", "guidance_scale", "preset", "tau", "tau_min", "sampler", "adaptive", "best_of"})
+    domains: tuple[str, ...] = ()
 
     def __init__(self, model: DD2Model, tokenizer: Tokenizer, task: str, *, judge: Transformer | None = None,
                  hybrid: Transformer | None = None):

@@ -51,6 +51,7 @@ class Options:
     sampler: str | None = None  # DD2: ddim | ddpm
     adaptive: bool = False  # DD2: steps by canvas length
     best_of: int = 1  # DD2: samples per source, one kept
+    domain: str | None = None  # ReFusion: the domain its diffusion stream drafts for (one with a domain adapter)
 
     def given(self) -> set[str]:
         """The options set to something other than their default."""
@@ -64,6 +65,7 @@ class GenerationMethod(Protocol):
     tokenizer: Tokenizer
     task: str  # seq2seq | continuation
     options: frozenset[str]  # the `Options` fields its `settings` reads; it ignores the rest
+    domains: tuple[str, ...]  # the domains its drafter's domain adapter serves (`Options.domain`); () none
 
     def prompt(self, text: str) -> list[int]: ...
 

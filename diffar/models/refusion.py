@@ -7,6 +7,8 @@
   with a noise schedule (cosine, linear or learned). A bidirectional transformer predicts the clean block
   (x0), reading the AR stream's hidden states through `CrossAttentionFusion`; rounding the prediction
   against the embedding table gives token logits. From pure noise, one pass drafts `block` tokens.
+- With `domains`, a domain adapter (models/domain_adapter.py) mixes the embedding of each row's domain into the
+  stream's input states: one stream drafts for several domains (corpora of a mixture), told which per row.
 - Optional AR-side fusion layers let the AR stream read the diffusion stream's (noised) block at token
   positions it has already seen. They change the AR stream, so lossless decoding refuses such a model.
 
@@ -31,6 +33,7 @@ from diffar.config import Config
 from diffar.data.batching import IGNORE_INDEX
 from diffar.diffusion.schedules import KINDS, NoiseSchedule
 from diffar.errors import DiffarError
+from diffar.models.domain_adapter import DomainAdapter
 from diffar.models.fusion import CrossAttentionFusion
 from diffar.models.time_embedding import timestep_embedding
 from diffar.models.transformer import Block, RMSNorm, Transformer, TransformerConfig, rope_angles, rope_tables
@@ -53,6 +56,7 @@ class RefusionConfig(Config, presets=PRESETS, nested={"ar": TransformerConfig}):
     fusion_heads: int = 8
     diffusion_fusion_layers: tuple[int, ...] | None = None  # diffusion layers reading the AR stream; None = all
     ar_fusion_layers: tuple[int, ...] = ()  # AR layers reading the diffusion stream (not lossless)
+    domains: tuple[str, ...] = ()  # a domain adapter's domains (corpus names); () = none
     schedule: str = "cosine"
     # training
     stage: str = "joint"
@@ -70,6 +74,7 @@ class RefusionConfig(Config, presets=PRESETS, nested={"ar": TransformerConfig}):
             self.diffusion_fusion_layers = tuple(range(self.n_layer))
         self.diffusion_fusion_layers, self.ar_fusion_layers = (tuple(self.diffusion_fusion_layers),
                                                                tuple(self.ar_fusion_layers))
+        self.domains = tuple(self.domains)
         super().__post_init__()
 
     def checks(self):
@@ -85,6 +90,7 @@ class RefusionConfig(Config, presets=PRESETS, nested={"ar": TransformerConfig}):
              f"AR fusion layers {self.ar_fusion_layers} must lie in 0..{self.ar.n_layer - 1}"),
             (self.d_model % self.fusion_heads == 0 and self.ar.d_model % self.fusion_heads == 0,
              f"fusion_heads {self.fusion_heads} must divide both streams' widths"),
+            (len(set(self.domains)) == len(self.domains), f"domains must differ, got {self.domains}"),
             *self.nonnegative("ar_weight", "mse_weight", "kl_weight"),
         ]
 
@@ -121,6 +127,8 @@ class TextDiffuser(nn.Module):
         self.read_tokens = nn.Linear(2 * cfg.d_model, cfg.ar.d_model, bias=False)
         self.time_mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_model), nn.SiLU(),
                                       nn.Linear(cfg.d_model, cfg.d_model))
+        self.domains = cfg.domains
+        self.adapter = DomainAdapter(len(cfg.domains), cfg.d_model) if cfg.domains else None
         self.blocks = nn.ModuleList(Block(inner) for _ in range(cfg.n_layer))
         self.fusion = nn.ModuleDict({
             str(i): CrossAttentionFusion(cfg.d_model, cfg.ar.d_model, cfg.fusion_heads, gate_init=1.0,
@@ -151,18 +159,24 @@ class TextDiffuser(nn.Module):
 
     def forward(self, z: torch.Tensor, t: torch.Tensor, context: torch.Tensor | None = None,
                 context_mask: torch.Tensor | None = None, context_tokens: torch.Tensor | None = None,
-                kv: dict[str, tuple] | None = None) -> torch.Tensor:
+                kv: dict[str, tuple] | None = None, domain: torch.Tensor | None = None) -> torch.Tensor:
         """z (N, L, d) noised block, t (N, L) per-slot times -> x0 prediction (N, L, d).
 
         The fusion layers read the context (see `context_kv`; `kv` passes them precomputed) where
         context_mask (N, S) is True; no context: no fusion. Every slot also starts from the latest visible AR
-        state (the one that predicted the anchor token)."""
+        state (the one that predicted the anchor token). A stream with a domain adapter needs each row's
+        domain (N,), an index into `domains`."""
         N, L, _ = z.shape
         x = z + self.time_mlp(timestep_embedding(t, self.d_model).to(z.dtype))
         if context is not None:
             latest = (context_mask * torch.arange(context_mask.shape[1], device=z.device)).argmax(1)
             x = x + self.warm(context[torch.arange(N, device=z.device), latest]).unsqueeze(1)
             kv = kv or self.context_kv(context, context_tokens)
+        if self.adapter is not None:
+            if domain is None:
+                raise DiffarError(f"this diffusion stream drafts for the domains {', '.join(self.domains)}: "
+                                  f"choose one (--domain)")
+            x = self.adapter(x, domain)
         cos, sin = rope_angles(self.rope_cos, self.rope_sin, torch.arange(L, device=x.device), x.dtype)
         everything = torch.ones(1, 1, L, L, dtype=torch.bool, device=z.device)  # bidirectional
         mask = None if context is None else context_mask.view(N, 1, 1, -1)
@@ -231,9 +245,11 @@ class RefusionModel(nn.Module):
         reads_block = bool(self.ar_fusion) and block_states is not None
         return self.ar.hidden_states(tokens, fuse=fuse if reads_block else None, **kwargs)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
+                domain: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced training pass -> (the diffusion stream's logits at the drafted slots (M, V), loss).
-        A frozen AR stream (the default) gets no CE_AR term: it would be a constant."""
+        A frozen AR stream (the default) gets no CE_AR term: it would be a constant. `domain` (B,): each
+        sequence's domain, for a stream with a domain adapter."""
         cfg, d = self.config, self.diffuser
         B, T = tokens.shape
         L = cfg.block + 1
@@ -275,7 +291,8 @@ class RefusionModel(nn.Module):
             following = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # position p's is the anchor token
             context_tokens = torch.stack([tokens, following], dim=-1)[rows]
 
-        x0_hat = d(z, t_slots, context, context_mask, context_tokens)[:, 1:]
+        x0_hat = d(z, t_slots, context, context_mask, context_tokens,
+                   domain=None if domain is None else domain[rows])[:, 1:]
         m = in_block[:, 1:]
         logits = d.logits(x0_hat[m]).float()  # (M, V) over the block slots holding real tokens
         truth = block[:, 1:][m]

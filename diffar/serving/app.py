@@ -234,7 +234,7 @@ def create_app(method: GenerationMethod, model_id: str, *, max_batch_size: int =
     async def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "diffar",
                                             "task": method.task, "methods": [method.name],
-                                            "chat": is_chat_model(method)}]}
+                                            "chat": is_chat_model(method), "domains": list(method.domains)}]}
 
     @app.get("/health", responses=HEALTH_RESPONSES)
     async def health():

@@ -52,6 +52,8 @@ class GenerationFields(BaseModel):
     # DD2's read-out temperature tau(t) = max(tau_min, tau * (1 - t)), as `diffar generate --tau/--tau-min`
     tau: float | None = Field(default=None, ge=0.0, le=100.0, strict=True)
     tau_min: float | None = Field(default=None, ge=0.0, le=100.0, strict=True)
+    # ReFusion with a domain adapter: the domain its diffusion stream drafts for (`diffar generate --domain`)
+    domain: str | None = Field(default=None, max_length=200)
     # Human-in-the-loop: output position -> a token id to keep, or text to put there (it may span tokens)
     fixed_tokens: dict[int, int | str] | None = None
 

@@ -20,7 +20,7 @@ class APIError(Exception):
 def options(body: GenerationFields) -> Options:
     return Options(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, steps=body.steps,
                    guidance_scale=body.guidance_scale, preset=body.preset, tau=body.tau, tau_min=body.tau_min,
-                   best_of=body.best_of)
+                   best_of=body.best_of, domain=body.domain)
 
 
 def is_chat_model(method: GenerationMethod) -> bool:
@@ -68,6 +68,9 @@ def build_request(body: GenerationFields, method: GenerationMethod, model_id: st
     if body.best_of > 1 and "best_of" not in method.options:
         raise APIError(400, f"best_of > 1 applies to method dd2; this server decodes with {method.name}",
                        param="best_of")
+    if body.domain is not None and "domain" not in method.options:
+        raise APIError(400, f"domain applies to method refusion; this server decodes with {method.name}",
+                       param="domain")
     if body.best_of > 1 and body.stream:
         raise APIError(400, "best_of > 1 cannot be streamed: one sample is kept once every sample is done",
                        param="best_of")

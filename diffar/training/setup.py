@@ -14,7 +14,7 @@ from torch import nn
 
 from diffar.checkpoint import load_ar, load_checkpoint, read_meta
 from diffar.data.batching import CanvasDataset, PairDataset, WindowDataset, ar_prompt, build_dataset, canvas_examples
-from diffar.data.corpora import EMBEDDED, load_corpus
+from diffar.data.corpora import is_embedded, load_corpus
 from diffar.errors import DiffarError
 from diffar.decoding.sampling import SamplingConfig
 from diffar.models.dd2 import DD2Config, DD2Model, example_noise, same_weights, token_noise
@@ -64,14 +64,15 @@ def _corpora(corpus: str, valid_corpus: str | None):
 
 
 def datasets(tokenizer: Tokenizer, corpus: str, valid_corpus: str | None, max_seq_len: int,
-             block_size: int | None = None) -> Datasets:
-    """Token sequences of `block_size` (default: the model's context) for the AR and ReFusion models."""
+             block_size: int | None = None, domains: tuple[str, ...] = ()) -> Datasets:
+    """Token sequences of `block_size` (default: the model's context) for the AR and ReFusion models; `domains`:
+    a domain-adapted model's, whose batches then say each sequence's domain."""
     block = block_size or max_seq_len
     if block > max_seq_len:
         raise DiffarError(f"--block-size {block} exceeds the model's context of {max_seq_len}")
     train_corpus, valid_corpus = _corpora(corpus, valid_corpus)
-    train_data = build_dataset(train_corpus, tokenizer, block)
-    valid_data = build_dataset(valid_corpus, tokenizer, block)
+    train_data = build_dataset(train_corpus, tokenizer, block, domains)
+    valid_data = build_dataset(valid_corpus, tokenizer, block, domains)
     for name, data in (("train", train_data), ("valid", valid_data)):
         if getattr(data, "dropped", 0):
             print(f"note: {data.dropped} {name} pairs longer than the {block}-token block are left out")
@@ -82,7 +83,7 @@ def data_advice(corpus: str, tokenizer: Tokenizer, data: Datasets, n_params: int
     """What a new model on a user's own data should be told before training from scratch: a tokenizer that
     splits the text finely (tokens per word above TOKENS_PER_WORD_HIGH: train one), and too little data for the
     model's size (fewer training tokens than a tenth of its parameters: start from a pretrained model)."""
-    if corpus in EMBEDDED:
+    if is_embedded(corpus):
         return []
     notes = []
     train_corpus = load_corpus(corpus, "train")
@@ -150,20 +151,22 @@ def ar_start(init: str, task: str) -> tuple[nn.Module, Tokenizer]:
 
 def refusion_model(tokenizer_path: str, *, ar: str | None, init: str | None, preset: str, seed: int,
                    **overrides) -> tuple[RefusionModel, Tokenizer]:
-    """A ReFusion model from a preset or --init (a ReFusion checkpoint, e.g. stage 1), its AR stream from --ar
-    where given (and its diffusion space too, unless --init brings a trained one). `overrides` (None: keep)
-    are RefusionConfig fields; the model's weights are initialised with `seed`."""
+    """A ReFusion model from a preset or --init (a ReFusion checkpoint, e.g. stage 1, with its tokenizer; a domain
+    adapter may be added to its stream), its AR stream from --ar where given (and its diffusion space too, unless
+    --init brings a trained one). `overrides` (None: keep) are RefusionConfig fields; the model's weights are
+    initialised with `seed`."""
     ar_model = init_model = None
     if ar:
         ar_model, tokenizer, _ = _load_kind(ar, "ar", "--ar", "an AR")
-    else:
-        tokenizer = Tokenizer.load(tokenizer_path)
     if init:
         init_model, init_tokenizer, _ = _load_kind(init, "refusion", "--init", "a ReFusion")
-        if init_tokenizer.sha256 != tokenizer.sha256 or (
-                ar_model is not None and init_model.config.ar.to_dict() != ar_model.config.to_dict()):
+        if ar_model is not None and (init_tokenizer.sha256 != tokenizer.sha256
+                                     or init_model.config.ar.to_dict() != ar_model.config.to_dict()):
             raise DiffarError(f"--init {init} and --ar {ar} do not belong together "
                               f"(different tokenizer or AR stream shape)")
+        tokenizer = init_tokenizer
+    elif not ar:
+        tokenizer = Tokenizer.load(tokenizer_path)
     overrides = {k: v for k, v in overrides.items() if v is not None}
     cfg = RefusionConfig.from_dict({**init_model.config.to_dict(), **overrides}) if init_model else \
         RefusionConfig.from_preset(preset, tokenizer.vocab_size, **overrides)
@@ -172,7 +175,11 @@ def refusion_model(tokenizer_path: str, *, ar: str | None, init: str | None, pre
     torch.manual_seed(seed)
     model = RefusionModel(cfg)
     if init_model is not None:
-        model.diffuser.load_state_dict(init_model.diffuser.state_dict())
+        if init_model.config.domains and init_model.config.domains != cfg.domains:
+            raise DiffarError(f"--init {init} has a domain adapter for {', '.join(init_model.config.domains)}; "
+                              f"it cannot serve other domains")
+        missing, _ = model.diffuser.load_state_dict(init_model.diffuser.state_dict(), strict=False)
+        assert all(key.startswith("adapter.") for key in missing), missing  # only a new adapter starts fresh
         model.ar.load_state_dict(init_model.ar.state_dict())
     if ar_model is not None:
         model.init_from_ar(ar_model, embeddings=init_model is None)
