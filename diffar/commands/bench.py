@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import asdict
-from datetime import date
 from pathlib import Path
 
 from diffar.commands import flags
@@ -45,7 +44,7 @@ def register(subparsers) -> None:
     methods = b.add_subparsers(dest="method", required=True, metavar="METHOD")
     json_out = argparse.ArgumentParser(add_help=False, parents=[flags.out("JSON file to write")])
     json_out.add_argument("--plot", type=image, metavar="FILE.png", help="also draw the records to this image: "
-                          f"{PLOT_HELP} (dated today; `diffar bench plot` redraws the JSON)")
+                          f"{PLOT_HELP} (`diffar bench plot` redraws the JSON)")
     threads = flags.threads()
     bar = methods.add_parser("ar", help="AR with vs without the KV cache, and against transformers' generate",
                              parents=[flags.dtype(), flags.device(), json_out, threads])
@@ -127,13 +126,13 @@ def _draft_peer(args) -> None:
 
 
 def _report(records, args) -> None:
-    """The table, the JSON records and, with --plot, their plot (dated today: the records carry no date)."""
+    """The table, the JSON records and, with --plot, their plot."""
     from diffar.evaluation.bench import print_table, write_records
 
     print_table(records)
     write_records(records, args.out)
     if args.plot:
-        save(draw(select([asdict(r) for r in records], date=date.today().isoformat())), args.plot)
+        save(draw(select([asdict(r) for r in records])), args.plot)
 
 
 def run_plot(args) -> None:

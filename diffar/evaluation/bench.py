@@ -3,6 +3,7 @@ later methods (DD2, ReFusion) extend; `diffar bench ...` prints a table and writ
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -41,6 +42,7 @@ class BenchRecord:
     torch_threads: int = field(default_factory=torch.get_num_threads)
     dtype: str = "fp32"  # the models' type at inference
     extra: dict = field(default_factory=dict)
+    date: str = field(default_factory=lambda: datetime.date.today().isoformat())  # when it was measured
 
 
 def _batches(n: int, batch_size: int) -> list[range]:

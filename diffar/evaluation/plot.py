@@ -48,7 +48,7 @@ class Selection:
     quality: str | None  # the `extra` key on the y axis; None: speed per method
     methods: list[str]  # in order of first appearance: each its marker, alike in every panel
     panels: list[Panel]
-    title: str  # hardware, dtype (and date)
+    title: str  # hardware, dtype and the dates measured (records older than the field carry none)
 
 
 def load_records(path: str | Path) -> list[dict]:
@@ -80,7 +80,7 @@ def _dtype(record: dict) -> str:
     return record.get("dtype", "fp32")  # records older than the field were all fp32
 
 
-def select(records: list[dict], date: str | None = None) -> Selection:
+def select(records: list[dict]) -> Selection:
     """The points of `records` (dicts as `diffar bench` writes them), grouped into panels."""
     if not records:
         raise DiffarError("no bench records to plot")
@@ -97,7 +97,8 @@ def select(records: list[dict], date: str | None = None) -> Selection:
         speed=speed, quality=quality, methods=_unique(r["method"] for r in records),
         panels=[Panel(f"{task}, batch {bs}" + (f", {dt}" if len(dtypes) > 1 else ""), points)
                 for (task, bs, dt), points in panels.items()],
-        title=" · ".join([" / ".join(hardware), " / ".join(dtypes), *([date] if date else [])]))
+        title=" · ".join([" / ".join(hardware), " / ".join(dtypes),
+                          *filter(None, [" / ".join(sorted({r["date"] for r in records if r.get("date")}))])]))
 
 
 def draw(selection: Selection):
