@@ -29,7 +29,7 @@ def test_kjv2web_beats_copying_the_source():
 
 def test_shakespeare_perplexity_on_unseen_works():
     report = evaluate_checkpoint(str(SHAKESPEARE), None, "test", limit=50, batch_size=16)
-    assert report["perplexity"] < 90  # measured: 71.1 on these 50 windows
+    assert report["perplexity"] < 90  # measured: 69.0 on these 50 windows (spread over the three works)
 
 
 def test_vqvae_rebuilds_unseen_verses():

@@ -120,9 +120,9 @@ def run_refusion(args) -> None:
         return run_block_drafter(args)
     given = [f"--{n.replace('_', '-')}" for n in ("draft_layers", "feature_layers", "draft_vocab", "loss_decay")
              if getattr(args, n) is not None]
-    domains = tuple(domain_name(part) for part in mixture_parts(args.corpus)) if args.domain_adapter else None
     if given:
         raise DiffarError(f"{', '.join(given)} apply to --drafter block only")
+    domains = tuple(domain_name(part) for part in mixture_parts(args.corpus)) if args.domain_adapter else None
     model, tokenizer = setup.refusion_model(
         args.tokenizer, ar=args.ar, init=args.init, preset=args.preset or "small", seed=args.seed, stage=args.stage,
         freeze_ar=not args.train_ar, block=args.block, anchors=args.anchors, schedule=args.schedule,
