@@ -370,6 +370,7 @@ def speculative_generate(
     done, ended = state.done, [False] * B
     passes, drafted, accepted_total = 1, 0, 0
     block = AdaptiveBlock(k, adaptive)
+    origins: list[list[str]] = [[] for _ in range(B)]  # per row, who wrote each token emitted
 
     def emit(row: int, t: int, origin: str) -> bool:
         """Append a token to a row; False once the row is over (eos or its budget)."""
@@ -377,13 +378,13 @@ def speculative_generate(
             done[row] = ended[row] = True
             return False
         state.seqs[row].append(t)
+        origins[row].append(origin)
         stopped = on_token is not None and on_token(row, t, origin) is False
         done[row] = stopped or state.new_tokens(row) >= max_new_tokens
         return not done[row]
 
-    origins = [[PINNED if 0 in pins[r] else AR] for r in range(B)]  # per row, a round's worth at a time
     for row, t in enumerate(first):
-        emit(row, t, origins[row][0])
+        emit(row, t, PINNED if 0 in pins[row] else AR)
     draft_seconds = 0.0
     while not all(done):
         t_draft = time.perf_counter()
@@ -427,7 +428,6 @@ def speculative_generate(
             if d:
                 accepted_now.append(len(path))
             written = [DRAFT] * len(path) + [AR if pin is None else PINNED]
-            origins[r] += written
             for t, origin in zip([d[i - 1] for i in path] + [token], written):
                 if not emit(r, t, origin):
                     break
@@ -435,5 +435,4 @@ def speculative_generate(
         block.update(accepted_now)
     out = [seq[n:] for seq, n in zip(state.seqs, state.prompt_lengths)]
     return GenerationResult(out, time.perf_counter() - t0, {"target": passes, "draft": proposer.passes}, ended,
-                            {"drafted": drafted, "accepted": accepted_total, "draft_seconds": draft_seconds},
-                            [o[:len(t)] for o, t in zip(origins, out)])  # a row's last round may have stopped early
+                            {"drafted": drafted, "accepted": accepted_total, "draft_seconds": draft_seconds}, origins)
