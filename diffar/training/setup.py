@@ -178,8 +178,9 @@ def refusion_model(tokenizer_path: str, *, ar: str | None, init: str | None, pre
         if init_model.config.domains and init_model.config.domains != cfg.domains:
             raise DiffarError(f"--init {init} has a domain adapter for {', '.join(init_model.config.domains)}; "
                               f"it cannot serve other domains")
-        missing, _ = model.diffuser.load_state_dict(init_model.diffuser.state_dict(), strict=False)
-        assert all(key.startswith("adapter.") for key in missing), missing  # only a new adapter starts fresh
+        # strict but for a new adapter, which starts fresh
+        missing, unexpected = model.diffuser.load_state_dict(init_model.diffuser.state_dict(), strict=False)
+        assert not unexpected and all(key.startswith("adapter.") for key in missing), (missing, unexpected)
         model.ar.load_state_dict(init_model.ar.state_dict())
     if ar_model is not None:
         model.init_from_ar(ar_model, embeddings=init_model is None)
