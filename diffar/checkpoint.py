@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,12 +41,12 @@ REPO = Path(__file__).resolve().parent.parent
 CHECKPOINT_NAME = re.compile(r"ckpt-\d{7}")
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(tmp)` into a file of this process's own next to `path`, then rename it to `path` (durably): a reader
+    sees the old file or the whole new one, and processes writing the same file at once do not collide."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write(tmp)
+    _fsync(tmp)
     os.replace(tmp, path)
     _fsync(path.parent)
 
@@ -89,7 +90,7 @@ def save_run_checkpoint(run_dir: Path, step: int, model, meta: dict, tokenizer: 
     if folder.exists():
         shutil.rmtree(folder)
     write_checkpoint(folder, model, {**meta, "step": step}, tokenizer, train_state)
-    _atomic_write_text(run_dir / "latest", folder.name + "\n")
+    write_atomically(run_dir / "latest", lambda tmp: tmp.write_text(folder.name + "\n"))
     complete = sorted(p for p in run_dir.iterdir() if CHECKPOINT_NAME.fullmatch(p.name))
     for old in complete[:-keep]:
         if old.name != folder.name:

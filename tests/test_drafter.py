@@ -132,6 +132,46 @@ def test_training_through_a_packed_bf16_target():
         assert drafter.mask_emb.grad is not None and drafter.mask_emb.grad.abs().sum() > 0
 
 
+def test_feature_cache_trains_as_the_target_would(tmp_path, monkeypatch):
+    """The cache holds what the target computes on the fly: a batch read from it gives the same loss under the
+    same anchors; a build cut short makes only its missing shards; another target's cache is refused."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_model
+
+    from diffar.data.batching import PairDataset
+    from diffar.training import feature_cache
+
+    monkeypatch.setattr(feature_cache, "SHARD", 3)
+    target = random_model(0, vocab=64)
+    g = torch.Generator().manual_seed(0)
+    records = [(torch.randint(64, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist(),
+                torch.randint(64, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist())
+               for _ in range(8)]
+    data = PairDataset(records, SimpleNamespace(pad_id=0), 32, joined=True)
+    drafter = drafter_for(target, block=4).train()
+
+    def build(model=target):
+        save_model(model, str(tmp_path / "target.safetensors"))
+        return feature_cache.build_cache(data, drafter, tmp_path / "cache", target_weights=tmp_path /
+                                         "target.safetensors", precision="fp32", batch_size=2)
+    cache = build()
+    shards = sorted((tmp_path / "cache").glob("shard-*.safetensors"))
+    assert len(shards) == 3  # 8 sequences, 3 per shard
+    for rows in ([0, 3, 5, 7], [1, 2, 6]):
+        torch.manual_seed(0)
+        _, on_the_fly = drafter(**data.batch(rows))
+        torch.manual_seed(0)
+        _, cached = drafter(**cache.batch(rows))
+        torch.testing.assert_close(cached, on_the_fly, atol=1e-5, rtol=1e-5)
+    kept = shards[0].stat().st_mtime_ns
+    shards[1].unlink()
+    build()
+    assert shards[1].exists() and shards[0].stat().st_mtime_ns == kept
+    with pytest.raises(DiffarError, match="another target"):
+        build(random_model(1, vocab=64))
+
+
 def test_config_checks():
     cfg = random_model(0).config
     assert spread_layers(30) == (1, 14, 26) and spread_layers(2) == (1,)
@@ -210,6 +250,21 @@ def test_cli_training_goes_on_from_a_drafter(tiny_drafter, tiny_shakespeare_run,
                        "has another shape")
 
 
+def test_cli_trains_from_a_feature_cache(tiny_drafter, tiny_shakespeare_run, tmp_path):
+    data, _ = tiny_drafter
+    args = ("train", "refusion", "--drafter", "block", "--ar", tiny_shakespeare_run, "--corpus", data,
+            "--feature-cache", tmp_path / "cache", "--max-steps", "2", "--block-size", "128", *TINY_TRAIN)
+    first = run_cli(*args, "--out", tmp_path / "a")
+    assert first.returncode == 0, first.stderr
+    assert json.loads((tmp_path / "cache" / "cache.json").read_text())["precision"] == "fp32"
+    made = {path: path.stat().st_mtime_ns for path in (tmp_path / "cache").glob("shard-*.safetensors")}
+    assert made
+    again = run_cli(*args, "--out", tmp_path / "b")
+    assert again.returncode == 0, again.stderr
+    assert {path: path.stat().st_mtime_ns for path in made} == made  # reused, not made again
+    assert "reused" in again.stdout
+
+
 def test_cli_errors(tiny_shakespeare_run, tiny_run, tiny_drafter, tmp_path):
     data, _ = tiny_drafter
     assert_clean_error(run_cli("train", "refusion", "--drafter", "block", "--corpus", data, "--out", tmp_path / "a"),
@@ -218,6 +273,9 @@ def test_cli_errors(tiny_shakespeare_run, tiny_run, tiny_drafter, tmp_path):
                                data, "--feature-layers", "7", "--out", tmp_path / "b"), "feature_layers")
     assert_clean_error(run_cli("train", "refusion", "--ar", tiny_shakespeare_run, "--corpus", data,
                                "--draft-vocab", "5", "--out", tmp_path / "c"), "--drafter block only")
+    assert_clean_error(run_cli("train", "refusion", "--drafter", "block", "--ar", tiny_shakespeare_run, "--corpus",
+                               "shakespeare", "--feature-cache", tmp_path / "f", "--out", tmp_path / "e"),
+                       "nothing to cache")
     assert_clean_error(run_cli("distill", "data", "--checkpoint", tiny_shakespeare_run, "--source", "chat",
                                "--examples", "2", "--out", tmp_path / "d.jsonl"), "no chat template")
 

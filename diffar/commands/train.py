@@ -3,8 +3,11 @@ a run). What each starts from is built in `diffar.training.setup`."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from diffar.checkpoint import resolve
 from diffar.commands import flags
 from diffar.data.corpora import domain_name, load_corpus, mixture_parts
 from diffar.errors import DiffarError
@@ -16,6 +19,7 @@ from diffar.models.vqvae import PRESETS as VQVAE_PRESETS
 from diffar.models.vqvae import TextVQVAE, VQVAEConfig
 from diffar.tokenizer import Tokenizer
 from diffar.training import setup
+from diffar.training.feature_cache import build_cache
 from diffar.training.lora import add_lora
 
 
@@ -87,6 +91,10 @@ def _register_refusion(models) -> None:
     rf.add_argument("--draft-vocab", type=int,
                     help="block drafter: draft over the N most frequent training tokens (default 0: all)")
     rf.add_argument("--loss-decay", type=float, help="block drafter: slot j's loss weight exp(-(j-1)/decay) (7)")
+    rf.add_argument("--feature-cache", type=Path,
+                    help="block drafter: compute the AR model's part of training (its features and greedy tokens) "
+                         "once for the training data, in this folder (reused; an interrupted build resumes), "
+                         "instead of at every step")
     rf.add_argument("--block-size", type=flags.positive_int,
                     help="training sequence length, e.g. 256 to chunk long text")
     rf.set_defaults(func=run_refusion)
@@ -118,8 +126,8 @@ def run_ar(args) -> None:
 def run_refusion(args) -> None:
     if args.drafter == "block":
         return run_block_drafter(args)
-    given = [f"--{n.replace('_', '-')}" for n in ("draft_layers", "feature_layers", "draft_vocab", "loss_decay")
-             if getattr(args, n) is not None]
+    given = [f"--{n.replace('_', '-')}" for n in ("draft_layers", "feature_layers", "draft_vocab", "loss_decay",
+                                                   "feature_cache") if getattr(args, n) is not None]
     if given:
         raise DiffarError(f"{', '.join(given)} apply to --drafter block only")
     domains = tuple(domain_name(part) for part in mixture_parts(args.corpus)) if args.domain_adapter else None
@@ -151,6 +159,10 @@ def run_block_drafter(args) -> None:
     if model.config.draft_vocab:
         share = model.set_vocab(setup.token_counts(data.train, model.config.target.vocab_size))
         print(f"draft vocabulary: its {model.config.draft_vocab} tokens cover {share:.1%} of the training text")
+    if args.feature_cache:
+        cached = build_cache(data.train, model, args.feature_cache, precision=args.precision,
+                             target_weights=resolve(args.ar) / "model.safetensors", batch_size=args.batch_size)
+        data = data._replace(train=cached)
     setup.fit(model, "drafter", tokenizer, data, flags.train_config(args), args.out, target=args.ar,
               override=args.override)
 

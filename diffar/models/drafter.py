@@ -14,9 +14,10 @@
 The target is attached, not owned (`attach`): a drafter checkpoint holds the drafter's weights only and
 names the AR checkpoint it drafts for, so shipping one for a 135M-parameter model costs a few tens of MB.
 
-Training (`forward`): the frozen target runs the sequence once; `anchors` random positions per sequence
-each start a block, which sees the context before its anchor only; the label of slot j is the target's own
-greedy choice there (what verification will accept), and slot j's cross-entropy is weighted by
+Training (`forward`): the frozen target runs the sequence once (`teacher`: its features and its greedy token
+after each position; or they come precomputed, training/feature_cache.py); `anchors` random positions per
+sequence each start a block, which sees the context before its anchor only; the label of slot j is the target's
+own greedy choice there (what verification will accept), and slot j's cross-entropy is weighted by
 exp(-(j - 1) / loss_decay): acceptance is a prefix, so early slots matter most (DFlash's decaying loss).
 """
 
@@ -205,14 +206,27 @@ class BlockDrafter(nn.Module):
             self.__dict__["_head"] = head
         return head
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Teacher-forced training pass over (B, T) sequences -> (draft logits at the scored slots, loss)."""
+    @torch.no_grad()
+    def teacher(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """All that training reads of the frozen target, from one pass over (B, T) sequences: its features
+        (B, T, n_features * d) and its greedy token after each position (B, T), IGNORE_INDEX where `targets` is
+        (nothing is output there). It depends on the sequence only, so it may be computed once and cached."""
+        h, features = self.target.tapped_states(tokens, self.config.feature_layers)
+        greedy = torch.full_like(targets, IGNORE_INDEX)
+        output = targets != IGNORE_INDEX
+        greedy[output] = self.target.lm_head(h[output]).argmax(-1)
+        return features, greedy
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, features: torch.Tensor | None = None,
+                greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced training pass over (B, T) sequences -> (draft logits at the scored slots, loss).
+        `features`, `greedy`: the target's `teacher` outputs for these sequences, if computed before."""
         if self.target is None:
             raise DiffarError("attach the target AR model before training the drafter")
+        if features is None or greedy is None:
+            features, greedy = self.teacher(tokens, targets)
         cfg, (B, T), dev = self.config, tokens.shape, tokens.device
         L = cfg.block
-        with torch.no_grad():
-            h, features = self.target.tapped_states(tokens, cfg.feature_layers)
         # anchor s: the block holds token s (clean) and drafts s+1..s+L-1; it sees context positions < s.
         # Anchors sit where the loss applies (targets[s - 1] known: token s is output), s >= 1.
         known = torch.cat([torch.zeros(B, 1, dtype=torch.bool, device=dev), targets[:, :-1] != IGNORE_INDEX], 1)
@@ -227,8 +241,7 @@ class BlockDrafter(nn.Module):
         # slot j's label: the target's greedy token after position s + j - 1, where that is output
         at = s.unsqueeze(1) + torch.arange(L - 1, device=dev)  # (N, L - 1)
         inside = (at < T) & (targets[rows.unsqueeze(1), at.clamp(max=T - 1)] != IGNORE_INDEX)
-        with torch.no_grad():
-            greedy = self.target.lm_head(h[rows.unsqueeze(1), at.clamp(max=T - 1)][inside]).argmax(-1)
+        greedy = greedy[rows.unsqueeze(1), at.clamp(max=T - 1)][inside]
         if cfg.draft_vocab:  # the label's row in the draft vocabulary, or none
             index = torch.full((self.target.config.vocab_size,), IGNORE_INDEX, dtype=torch.long, device=dev)
             index[self.vocab] = torch.arange(len(self.vocab), device=dev)
