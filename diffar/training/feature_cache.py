@@ -7,8 +7,8 @@ as fast, docs/benchmarks.md). The anchors, labels and loss are the same either w
 The folder holds shards of SHARD sequences (`shard-00000.safetensors`: `features` (tokens, n_features * d) and
 `greedy` (tokens,), the sequences' positions one after another), each written atomically, so an interrupted
 build resumes at the first missing shard (processes building the same folder at once do not collide); and
-`cache.json`, which says what the features are of (the target's
-weights, its feature layers, the precision and the sequences, by digest): a folder of anything else is refused.
+`cache.json`, which says what the features are of (the target's weights, its feature layers, the precision and
+the sequences, by digest): a folder of anything else is refused.
 """
 
 from __future__ import annotations
@@ -42,13 +42,17 @@ def shard_path(folder: Path, k: int) -> Path:
     return folder / f"shard-{k:05d}.safetensors"
 
 
+def n_shards(data: PairDataset) -> int:
+    return -(-len(data) // SHARD)
+
+
 class FeatureCache:
     """`data`'s batches with `features` and `greedy` added (what the drafter's forward takes instead of running
     the target), read from the shards in `folder` (`build_cache`); sampling and the rest as `data`'s."""
 
     def __init__(self, data: PairDataset, folder: Path):
         self.data = data
-        self.shards = [safe_open(shard_path(folder, k), "pt") for k in range(-(-len(data) // SHARD))]
+        self.shards = [safe_open(shard_path(folder, k), "pt") for k in range(n_shards(data))]
         self.where = []  # sequence i -> (its shard, its first position there, its positions)
         for k in range(len(self.shards)):
             start = 0
@@ -94,7 +98,7 @@ def build_cache(data: PairDataset | WindowDataset, drafter: BlockDrafter, folder
     elif _read_json(manifest) != identity:
         raise DiffarError(f"{folder} holds features of another target, data or precision; remove it or choose "
                           f"another --feature-cache")
-    missing = [k for k in range(-(-len(data) // SHARD)) if not shard_path(folder, k).exists()]
+    missing = [k for k in range(n_shards(data)) if not shard_path(folder, k).exists()]
     if not missing:
         print(f"feature cache: {folder} reused ({len(data)} sequences)")
         return FeatureCache(data, folder)
