@@ -96,24 +96,30 @@ def test_decoding_reads_what_training_reads():
     torch.testing.assert_close(seen[0][0], trained, atol=1e-4, rtol=1e-4)
 
 
-def test_training_lowers_the_loss():
+@pytest.mark.parametrize("kl_weight", [0.0, 1.0])
+def test_training_lowers_the_loss(kl_weight):
     target = random_model(0, vocab=64)
     prompts = torch.randint(64, (32, 4), generator=torch.Generator().manual_seed(0)).tolist()
     outputs = generate(target, prompts, 20, eos_id=None, pad_id=0).tokens
     seqs = torch.tensor([p + o for p, o in zip(prompts, outputs)])
     tokens, targets = seqs[:, :-1], seqs[:, 1:].clone()
     targets[:, :3] = IGNORE_INDEX  # the prompt
-    drafter = drafter_for(target, block=4).train()
+    drafter = drafter_for(target, block=4, kl_weight=kl_weight).train()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     torch.manual_seed(0)
-    losses = []
+    losses, kls = [], []
     for _ in range(40):
         _, loss = drafter(tokens, targets)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+        kls.append(drafter.loss_parts.get("kl"))
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    if kl_weight:
+        assert sum(kls[-5:]) < 0.8 * sum(kls[:5])
+    else:
+        assert kls == [None] * 40
     assert drafter.target.tok_emb.weight.grad is None  # the target stays frozen
 
 
@@ -130,6 +136,23 @@ def test_training_through_a_packed_bf16_target():
             _, loss = drafter(tokens, tokens.roll(-1, 1))
         loss.backward()
         assert drafter.mask_emb.grad is not None and drafter.mask_emb.grad.abs().sum() > 0
+
+
+def test_kl_term_is_the_distance_to_the_target_top():
+    """KL from the target's top tokens (renormalised over the draftable ones) to the drafter: 0 for the target's own
+    distribution over the whole vocabulary; for its top K, -log of their mass (p~ = p / Z, q = p)."""
+    logits = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    logp = torch.log_softmax(logits, -1)
+    top = logp.topk(32, -1)
+    torch.testing.assert_close(BlockDrafter._kl(logits, top.values, top.indices), torch.zeros(5), atol=1e-5, rtol=0)
+    top = logp.topk(4, -1)
+    kl = BlockDrafter._kl(logits, top.values, top.indices)
+    torch.testing.assert_close(kl, -top.values.exp().sum(-1).log())
+    undraftable = top.indices.clone()
+    undraftable[:, 0] = IGNORE_INDEX  # the likeliest token is outside the draft vocabulary: the other 3 renormalised
+    kl = BlockDrafter._kl(logits, top.values, undraftable)
+    torch.testing.assert_close(kl, -top.values[:, 1:].exp().sum(-1).log())
+    assert (BlockDrafter._kl(torch.randn(5, 32), top.values, top.indices) > kl).all()
 
 
 def test_feature_cache_trains_as_the_target_would(tmp_path, monkeypatch):
@@ -158,12 +181,15 @@ def test_feature_cache_trains_as_the_target_would(tmp_path, monkeypatch):
     cache = build()
     shards = sorted((tmp_path / "cache").glob("shard-*.safetensors"))
     assert len(shards) == 3  # 8 sequences, 3 per shard
-    for rows in ([0, 3, 5, 7], [1, 2, 6]):
-        torch.manual_seed(0)
-        _, on_the_fly = drafter(**data.batch(rows))
-        torch.manual_seed(0)
-        _, cached = drafter(**cache.batch(rows))
-        torch.testing.assert_close(cached, on_the_fly, atol=1e-5, rtol=1e-5)
+    with_kl = drafter_for(target, block=4, kl_weight=0.5).train()  # reads the target's top tokens too
+    for model in (drafter, with_kl):
+        for rows in ([0, 3, 5, 7], [1, 2, 6]):
+            torch.manual_seed(0)
+            _, on_the_fly = model(**data.batch(rows))
+            torch.manual_seed(0)
+            _, cached = model(**cache.batch(rows))
+            torch.testing.assert_close(cached, on_the_fly, atol=1e-5, rtol=1e-5)
+    assert with_kl.loss_parts["kl"] > 0
     kept = shards[0].stat().st_mtime_ns
     shards[1].unlink()
     build()
@@ -302,3 +328,35 @@ def test_cli_bench_prompt_set(tiny_drafter, tokenizer_path, tmp_path):
             assert r["extra"]["exact_match_vs_ar"] == 1.0
     assert by["refusion", 1]["extra"]["draft_cost_vs_ar_step"] > 0 and ("ar+draft", 2) in by
     assert by["refusion-tree", 2]["extra"]["tokens_per_ar_pass"] >= 1.0
+
+
+def test_cli_drafter_for_a_seq2seq_model(tiny_run, tmp_path):
+    """A 7M-style seq2seq target: `distill data --source corpus` answers its own training sources (prompted as it
+    reads them), the drafter trained on them keeps the target's task, and the corpus bench (prompts from the
+    target's corpus) and `generate` give the target's own text."""
+    data = tmp_path / "self.jsonl"
+    made = run_cli("distill", "data", "--checkpoint", tiny_run, "--source", "corpus", "--examples", "24",
+                   "--max-new-tokens", "12", "--batch-size", "12", "--dtype", "fp32", "--out", data)
+    assert made.returncode == 0, made.stderr
+    _, tokenizer, _ = load_checkpoint(tiny_run)
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    train = load_corpus("kjv2web", "train").pairs
+    assert len(records) == 24 and all(r["prompt_ids"][-1] == tokenizer.sep_id for r in records)
+    assert tokenizer.decode(records[1]["prompt_ids"][:-1]) == train[len(train) // 24].source
+    out = tmp_path / "drafter"
+    trained = run_cli("train", "refusion", "--drafter", "block", "--ar", tiny_run, "--corpus", data,
+                      "--out", out, "--max-steps", "2", "--block-size", "128", *TINY_TRAIN)
+    assert trained.returncode == 0, trained.stderr
+    assert json.loads((resolve(out) / "config.json").read_text())["task"] == "seq2seq"
+    proc = run_cli("bench", "refusion", "--checkpoint", out, "--prompts", "3", "--new-tokens", "16", "--batch-sizes",
+                   "1", "2", "--methods", "ar", "refusion", "refusion-tree+prompt-lookup", "--out", tmp_path / "b.json")
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads((tmp_path / "b.json").read_text())
+    assert {r["task"] for r in records} == {"kjv2web"} and len(records) == 6
+    assert all(r["extra"]["exact_match_vs_ar"] == 1.0 for r in records)
+    source = "In the beginning God created the heaven and the earth."
+    plain = run_cli("generate", "--checkpoint", tiny_run, "--prompt", source, "--max-new-tokens", "20")
+    drafted = run_cli("generate", "--checkpoint", out, "--prompt", source, "--max-new-tokens", "20", "--tree", "8")
+    assert drafted.returncode == 0 and drafted.stdout == plain.stdout, drafted.stderr
+    assert_clean_error(run_cli("distill", "data", "--checkpoint", tiny_run, "--source", "chat", "--corpus", "kjv2web",
+                               "--examples", "2", "--out", tmp_path / "d.jsonl"), "--source corpus")

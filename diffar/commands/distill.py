@@ -12,7 +12,7 @@ import torch
 
 from diffar.checkpoint import load_for_inference
 from diffar.commands import flags
-from diffar.data.prompts import SOURCES
+from diffar.data.prompts import DATA_SOURCES
 from diffar.errors import DiffarError
 from diffar.models.dd2 import PRESETS as DD2_PRESETS
 from diffar.models.precision import PRECISIONS
@@ -60,9 +60,11 @@ def register(subparsers) -> None:
                            parents=[flags.out("a JSONL file; records are appended, a finished source is reused"),
                                     flags.seed(), flags.threads()])
     da.add_argument("--checkpoint", required=True, help="the AR model (a chat model for --source chat and code)")
-    da.add_argument("--source", required=True, choices=SOURCES,
+    da.add_argument("--source", required=True, choices=DATA_SOURCES,
                     help="chat: instructions the model writes itself (Magpie); code: standard-library functions to "
-                         "complete; shakespeare: windows of the train split to continue")
+                         "complete; shakespeare: windows of the train split to continue; corpus: the train split of "
+                         "--corpus (a seq2seq corpus's sources, a continuation corpus's windows)")
+    da.add_argument("--corpus", help="--source corpus: the corpus (default: the one the checkpoint was trained on)")
     da.add_argument("--examples", required=True, type=flags.positive_int, help="records of this source")
     da.add_argument("--max-new-tokens", type=flags.positive_int, default=256)
     da.add_argument("--batch-size", type=flags.positive_int, default=8)
@@ -88,6 +90,8 @@ def run_data(args) -> None:
     model, tokenizer, meta = load_for_inference(args.checkpoint, dtype=args.dtype)
     if meta["kind"] != "ar":
         raise DiffarError(f"--checkpoint {args.checkpoint} is a {meta['kind']} checkpoint, not an AR one")
+    if args.corpus and args.source != "corpus":
+        raise DiffarError("--corpus names the prompts of --source corpus")
     made = self_data(model, tokenizer, args.source, args.examples, Path(args.out), max_new_tokens=args.max_new_tokens,
-                     batch_size=args.batch_size, seed=args.seed)
+                     batch_size=args.batch_size, seed=args.seed, corpus=args.corpus or meta["corpus"])
     print(f"{args.out}: {made} {args.source} records made, {args.examples - made} were there already")

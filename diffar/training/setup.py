@@ -188,12 +188,13 @@ def refusion_model(tokenizer_path: str, *, ar: str | None, init: str | None, pre
 
 
 def drafter_model(ar: str, *, preset: str, precision: str, seed: int, init: str | None = None,
-                  **overrides) -> tuple[BlockDrafter, Tokenizer]:
-    """A block drafter (models/drafter.py) for the AR checkpoint `ar`, which is loaded frozen, in bf16 when
-    training in bf16 (it only runs forward). Its draft layers start from the target's last layers, or from the
-    drafter checkpoint `init` (same shape; e.g. to go on training on more data). `overrides` (None: keep) are
+                  **overrides) -> tuple[BlockDrafter, Tokenizer, str]:
+    """(a block drafter (models/drafter.py) for the AR checkpoint `ar`, its tokenizer, the target's task: how the
+    drafter's prompts read, whatever its training data). The target is loaded frozen, in bf16 when training in
+    bf16 (it only runs forward). The draft layers start from the target's last layers, or from the drafter
+    checkpoint `init` (same shape; e.g. to go on training on more data). `overrides` (None: keep) are
     DrafterConfig fields."""
-    target, tokenizer, _ = _load_kind(ar, "ar", "--ar", "an AR")
+    target, tokenizer, target_meta = _load_kind(ar, "ar", "--ar", "an AR")
     cfg = DrafterConfig.from_preset(preset, target=target.config,
                                     **{k: v for k, v in overrides.items() if v is not None})
     torch.manual_seed(seed)
@@ -201,7 +202,7 @@ def drafter_model(ar: str, *, preset: str, precision: str, seed: int, init: str 
     model.attach(place(target, precision))
     if init is None:
         model.init_from_target()
-        return model, tokenizer
+        return model, tokenizer, target_meta["task"]
     start, init_tokenizer, _ = _load_kind(init, "drafter", "--init", "a drafter")
     if init_tokenizer.sha256 != tokenizer.sha256 or start.config.target.to_dict() != cfg.target.to_dict():
         raise DiffarError(f"--init {init} drafts for another AR model than --ar {ar}")
@@ -209,7 +210,7 @@ def drafter_model(ar: str, *, preset: str, precision: str, seed: int, init: str 
         model.load_state_dict(start.state_dict())
     except RuntimeError:
         raise DiffarError(f"--init {init} has another shape (draft layers, vocabulary) than this drafter") from None
-    return model, tokenizer
+    return model, tokenizer, target_meta["task"]
 
 
 def token_counts(data: PairDataset | WindowDataset, vocab_size: int) -> torch.Tensor:
