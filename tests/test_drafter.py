@@ -261,7 +261,8 @@ def test_cli_generate_equals_ar(tiny_drafter, tiny_shakespeare_run):
 
 
 def test_cli_training_goes_on_from_a_drafter(tiny_drafter, tiny_shakespeare_run, tmp_path):
-    """--init: a new run (more data, say) starts from a trained drafter's weights, not from the target's layers."""
+    """--init: a new run (more data, say) starts from a trained drafter's weights, not from the target's layers,
+    with the same or another draft vocabulary."""
     data, out = tiny_drafter
     trained, _, _ = load_checkpoint(out)
     again = run_cli("train", "refusion", "--drafter", "block", "--ar", tiny_shakespeare_run, "--init", out,
@@ -271,8 +272,16 @@ def test_cli_training_goes_on_from_a_drafter(tiny_drafter, tiny_shakespeare_run,
     went_on, _, _ = load_checkpoint(tmp_path / "more")
     for name, weight in trained.state_dict().items():
         assert torch.allclose(weight.float(), went_on.state_dict()[name].float(), atol=1e-6), name
+    # another draft vocabulary: the weights carry over, the vocabulary is chosen from the data again
+    smaller = run_cli("train", "refusion", "--drafter", "block", "--ar", tiny_shakespeare_run, "--init", out,
+                      "--corpus", data, "--draft-vocab", "128", "--out", tmp_path / "smaller", "--max-steps", "1",
+                      "--block-size", "128", *TINY_TRAIN, "--lr", "1e-9")
+    assert smaller.returncode == 0, smaller.stderr
+    narrowed, _, _ = load_checkpoint(tmp_path / "smaller")
+    assert len(narrowed.vocab) == 128 and set(narrowed.vocab.tolist()) < set(trained.vocab.tolist())
+    assert torch.allclose(narrowed.fc.weight.float(), trained.fc.weight.float(), atol=1e-6)
     assert_clean_error(run_cli("train", "refusion", "--drafter", "block", "--ar", tiny_shakespeare_run, "--init", out,
-                               "--corpus", data, "--draft-vocab", "128", "--out", tmp_path / "other", *TINY_TRAIN),
+                               "--corpus", data, "--draft-layers", "2", "--out", tmp_path / "other", *TINY_TRAIN),
                        "has another shape")
 
 
@@ -354,6 +363,7 @@ def test_cli_drafter_for_a_seq2seq_model(tiny_run, tmp_path):
     records = json.loads((tmp_path / "b.json").read_text())
     assert {r["task"] for r in records} == {"kjv2web"} and len(records) == 6
     assert all(r["extra"]["exact_match_vs_ar"] == 1.0 for r in records)
+    assert all(r["extra"]["draft_cost_vs_ar_step"] > 0 for r in records if r["method"] != "ar")
     source = "In the beginning God created the heaven and the earth."
     plain = run_cli("generate", "--checkpoint", tiny_run, "--prompt", source, "--max-new-tokens", "20")
     drafted = run_cli("generate", "--checkpoint", out, "--prompt", source, "--max-new-tokens", "20", "--tree", "8")

@@ -69,6 +69,17 @@ def _passes(results: list[GenerationResult], kind: str) -> int:
     return sum(r.passes.get(kind, 0) for r in results)
 
 
+def _step_seconds(results: list[GenerationResult]) -> float:
+    """Plain AR's seconds per step (per pass of the target)."""
+    return sum(r.seconds for r in results) / _passes(results, "target")
+
+
+def _draft_cost(results: list[GenerationResult], step_s: float | None) -> float | None:
+    """A drafting pass's seconds relative to a plain AR step at the same batch size (None: nothing timed)."""
+    draft_s, passes = sum(r.extra.get("draft_seconds", 0) for r in results), _passes(results, "draft")
+    return round(draft_s / passes / step_s, 3) if draft_s and passes and step_s else None
+
+
 def _record(method: str, task: str, prompts: list[list[int]], results: list[GenerationResult], **fields) -> BenchRecord:
     """A record of a method's run over every prompt: per-batch means of latency and passes."""
     seconds, new = sum(r.seconds for r in results), sum(r.new_tokens for r in results)
@@ -227,7 +238,7 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
     records = []
     for bs in batch_sizes:
         batches = _batches(len(texts), bs)
-        reference_outputs = None
+        reference_outputs = step_s = None
         for name in methods:
             method = builders[name]()
             prompts = [method.prompt(t) for t in texts]
@@ -235,6 +246,7 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
                            ignore_eos=not seq2seq)
             outs = [t for r in results for t in r.tokens]
             reference_outputs = reference_outputs or outs
+            step_s = _step_seconds(results) if name == "ar" else step_s
             row_passes = sum(r.passes["target"] * len(r.tokens) for r in results)
             drafted, accepted = (sum(r.extra.get(key, 0) for r in results) for key in ("drafted", "accepted"))
             quality = text_metrics([tokenizer.decode(o).strip() for o in outs], references)
@@ -247,6 +259,7 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
                 "tokens_per_ar_pass": round(_chosen(results) / row_passes, 3),
                 "draft_passes": round(_passes(results, "draft") / len(batches)) if name != "ar" else None,
                 "draft_acceptance": round(accepted / drafted, 3) if drafted else None,
+                "draft_cost_vs_ar_step": _draft_cost(results, step_s),
                 "exact_match_vs_ar": sum(a == b for a, b in zip(outs, reference_outputs)) / len(outs),
                 "bleu4": quality["bleu4"], "rougeL": quality["rougeL"]}))
     return records
@@ -308,17 +321,14 @@ def bench_prompt_set(checkpoint: str, prompt_set: str, n_prompts: int, new_token
                                ignore_eos=not to_eos)
             outs = [t for r in results for t in r.tokens]
             if name == "ar":
-                reference, step_s = outs, sum(r.seconds for r in results) / _passes(results, "target")
+                reference, step_s = outs, _step_seconds(results)
             extra = {"prompt_set": prompt_set, "prompts": len(prompts), "temperature": temperature,
                      "peer": f"transformers {transformers_version()}" if method is None else None,
                      "prompt_lookup_tokens": PEER_LOOKUP if name == "transformers+prompt-lookup" else None}
             if method is not None and name != "ar":
-                drafted, accepted, draft_s = (sum(r.extra.get(key, 0) for r in results)
-                                              for key in ("drafted", "accepted", "draft_seconds"))
-                draft_passes = _passes(results, "draft")
+                drafted, accepted = (sum(r.extra.get(key, 0) for r in results) for key in ("drafted", "accepted"))
                 extra.update(k=method.k, draft_acceptance=round(accepted / drafted, 3) if drafted else None,
-                             draft_cost_vs_ar_step=round(draft_s / draft_passes / step_s, 3)
-                             if draft_passes and step_s else None)
+                             draft_cost_vs_ar_step=_draft_cost(results, step_s))
             if method is not None:
                 rows_passes = sum(r.passes["target"] * len(r.tokens) for r in results)
                 extra["tokens_per_ar_pass"] = round(_chosen(results) / rows_passes, 3)

@@ -192,8 +192,8 @@ def drafter_model(ar: str, *, preset: str, precision: str, seed: int, init: str 
     """(a block drafter (models/drafter.py) for the AR checkpoint `ar`, its tokenizer, the target's task: how the
     drafter's prompts read, whatever its training data). The target is loaded frozen, in bf16 when training in
     bf16 (it only runs forward). The draft layers start from the target's last layers, or from the drafter
-    checkpoint `init` (same shape; e.g. to go on training on more data). `overrides` (None: keep) are
-    DrafterConfig fields."""
+    checkpoint `init` (same shape; e.g. to go on training on more data; its draft vocabulary may differ, as it is
+    chosen from the training data anyway). `overrides` (None: keep) are DrafterConfig fields."""
     target, tokenizer, target_meta = _load_kind(ar, "ar", "--ar", "an AR")
     cfg = DrafterConfig.from_preset(preset, target=target.config,
                                     **{k: v for k, v in overrides.items() if v is not None})
@@ -206,10 +206,13 @@ def drafter_model(ar: str, *, preset: str, precision: str, seed: int, init: str 
     start, init_tokenizer, _ = _load_kind(init, "drafter", "--init", "a drafter")
     if init_tokenizer.sha256 != tokenizer.sha256 or start.config.target.to_dict() != cfg.target.to_dict():
         raise DiffarError(f"--init {init} drafts for another AR model than --ar {ar}")
+    weights = {k: v for k, v in start.state_dict().items() if k != "vocab"}  # the draft vocabulary: from the data
     try:
-        model.load_state_dict(start.state_dict())
+        missing, unexpected = model.load_state_dict(weights, strict=False)
     except RuntimeError:
-        raise DiffarError(f"--init {init} has another shape (draft layers, vocabulary) than this drafter") from None
+        missing = unexpected = True
+    if missing != ["vocab"] or unexpected:
+        raise DiffarError(f"--init {init} has another shape (draft layers, feature layers) than this drafter")
     return model, tokenizer, target_meta["task"]
 
 
