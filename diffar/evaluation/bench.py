@@ -208,10 +208,11 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
                    k: int, batch_sizes: list[int], methods: list[str], plan_threshold: float = 0.9, plan_slot: int = 1,
                    split: str = "test", domain: str | None = None) -> list[BenchRecord]:
     """Greedy AR against the draft-and-verify methods, all verifying with the same AR weights (a ReFusion
-    checkpoint's AR stream, a block drafter's target, or an AR checkpoint), on the same prompts in the same batches, from `split`
-    (valid when comparing training choices). All are lossless but `refusion-infill` (plan-and-infill,
-    keeping diffusion drafts at least `plan_threshold` confident, in slots of `plan_slot` tokens). A diffusion
-    stream with a domain adapter drafts for `domain`, by default the prompt corpus's own.
+    checkpoint's AR stream, a block drafter's target, or an AR checkpoint), on the same prompts in the same
+    batches, from `split` (valid when comparing training choices; a drafter's prompts come from its target's
+    corpus). All are lossless but `refusion-infill` (plan-and-infill, keeping diffusion drafts at least
+    `plan_threshold` confident, in slots of `plan_slot` tokens). A diffusion stream with a domain adapter drafts
+    for `domain`, by default the prompt corpus's own.
 
     seq2seq runs stop at eos (`_budget`); continuation runs make exactly `new_tokens` (eos ignored). Outputs
     are scored against the references (the real continuation, for continuation) and compared with plain

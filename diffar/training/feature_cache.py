@@ -1,15 +1,16 @@
 """A block drafter's training data with the frozen target's part computed once (`train refusion --drafter block
 --feature-cache DIR`): for every training sequence, what `BlockDrafter.teacher` reads of the target (its features,
-its greedy token after each position and its TEACHER_TOP likeliest tokens there, which the KL term reads). On the fly the target runs over every batch of every epoch, and for
-SmolLM2-135M on a CPU that pass is half of a step; read back from disk, a step is the drafter's own work (2.1x
-as fast, docs/benchmarks.md). The anchors, labels and loss are the same either way.
+its greedy token after each position, and its TEACHER_TOP likeliest tokens there, which the KL term reads). On
+the fly the target runs over every batch of every epoch, and for SmolLM2-135M on a CPU that pass is half of a
+step; read back from disk, a step is the drafter's own work (2.1x as fast, docs/benchmarks.md). The anchors,
+labels and loss are the same either way.
 
 The folder holds shards of SHARD sequences (`shard-00000.safetensors`: `features` (tokens, n_features * d),
 `greedy` (tokens,), `top_ids` and `top_logp` (tokens, TEACHER_TOP), the sequences' positions one after another;
-3.5 kB a token for SmolLM2-135M in bf16), each written atomically, so an interrupted
-build resumes at the first missing shard (processes building the same folder at once do not collide); and
-`cache.json`, which says what the features are of (the target's weights, its feature layers, the precision and
-the sequences, by digest): a folder of anything else is refused.
+3.5 kB a token for SmolLM2-135M in bf16), each written atomically, so an interrupted build resumes at the first
+missing shard (processes building the same folder at once do not collide); and `cache.json`, which says what
+the features are of (the target's weights, its feature layers, the precision, the cache's format and the
+sequences, by digest): a folder of anything else is refused.
 """
 
 from __future__ import annotations
