@@ -208,10 +208,11 @@ def drafter_model(ar: str, *, preset: str, precision: str, seed: int, init: str 
         raise DiffarError(f"--init {init} drafts for another AR model than --ar {ar}")
     weights = {k: v for k, v in start.state_dict().items() if k != "vocab"}  # the draft vocabulary: from the data
     try:
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-    except RuntimeError:
-        missing = unexpected = True
-    if missing != ["vocab"] or unexpected:
+        keys = model.load_state_dict(weights, strict=False)
+        fits = keys.missing_keys == ["vocab"] and not keys.unexpected_keys
+    except RuntimeError:  # a weight of another size
+        fits = False
+    if not fits:
         raise DiffarError(f"--init {init} has another shape (draft layers, feature layers) than this drafter")
     return model, tokenizer, target_meta["task"]
 
