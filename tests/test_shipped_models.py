@@ -111,9 +111,8 @@ def test_block_drafter_drafts_for_the_shipped_ar_model(name, ar_name, corpus, fl
     from diffar.generation import ARMethod, Options, RefusionMethod
 
     drafter, tokenizer, meta = load_checkpoint(ROOT / "checkpoints" / name)
-    assert meta["kind"] == "drafter" and meta["target"] == f"checkpoints/{ar_name}" and meta["task"] == \
-        load_corpus(corpus, "test").task
     test = load_corpus(corpus, "test")
+    assert meta["kind"] == "drafter" and meta["target"] == f"checkpoints/{ar_name}" and meta["task"] == test.task
     texts = [p.source for p in test.pairs[:8]] if test.task == "seq2seq" else [d[:300] for d in test.documents]
     ar = ARMethod(drafter.target, tokenizer, meta["task"])
     prompts = [ar.prompt(t) for t in texts]
