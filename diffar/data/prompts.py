@@ -96,9 +96,9 @@ def humaneval() -> list[str]:
         return [json.loads(line)["prompt"] for line in f if line.strip()]
 
 
-def windows(tokenizer: Tokenizer, corpus: str, split: str, limit: int) -> list[list[int]]:
-    """`limit` windows of SHAKESPEARE_TOKENS tokens spread evenly over a split of a continuation corpus."""
-    ids = [i for doc in load_corpus(corpus, split).documents for i in tokenizer.encode(doc)]
+def windows(tokenizer: Tokenizer, documents: list[str], limit: int) -> list[list[int]]:
+    """`limit` windows of SHAKESPEARE_TOKENS tokens spread evenly over a continuation corpus's documents."""
+    ids = [i for doc in documents for i in tokenizer.encode(doc)]
     starts = range(0, len(ids) - SHAKESPEARE_TOKENS, SHAKESPEARE_TOKENS)
     step = max(1, len(starts) // max(limit, 1))
     return [ids[s:s + SHAKESPEARE_TOKENS] for s in starts[::step][:limit]]
@@ -109,7 +109,7 @@ def corpus_prompts(tokenizer: Tokenizer, corpus: str, limit: int) -> list[list[i
     trained on it reads them (source, separator), or a continuation corpus's windows."""
     data = load_corpus(corpus, "train")
     if data.task != "seq2seq":
-        return windows(tokenizer, corpus, "train", limit)
+        return windows(tokenizer, data.documents, limit)
     pairs = data.pairs if limit >= len(data.pairs) else \
         [data.pairs[i * len(data.pairs) // limit] for i in range(limit)]
     return [prompt_ids(tokenizer, "seq2seq", pair.source) for pair in pairs]
@@ -133,5 +133,5 @@ def prompt_set(name: str, tokenizer: Tokenizer, limit: int, data: str | None = N
         fixed = [chat_prompt(tokenizer, m) for m in CHAT[:limit]]
         return fixed + (heldout_chat(tokenizer, data, limit - len(fixed)) if data and limit > len(fixed) else [])
     if name == "shakespeare":
-        return windows(tokenizer, "shakespeare", "test", limit)
+        return windows(tokenizer, load_corpus("shakespeare", "test").documents, limit)
     raise DiffarError(f"unknown prompt set {name!r}; choose one of {', '.join(SOURCES)}")

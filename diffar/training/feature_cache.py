@@ -75,7 +75,7 @@ class FeatureCache:
     def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
         batch = self.data.batch(indices)
         B, T = batch["tokens"].shape
-        for key in ("features", "greedy", "top_ids", "top_logp"):
+        for key in self.shards[0].keys():
             rows = [self.shards[k].get_slice(key)[a:a + n] for k, a, n in (self.where[i] for i in indices)]
             ids = key in IDS
             full = torch.full((B, T, *rows[0].shape[1:]), IGNORE_INDEX if ids else 0,

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from diffar.data.corpora import load_corpus
 from diffar.data.prompts import chat_prefix, chat_prompt, code_prompt, corpus_prompts, stdlib_functions, windows
 from diffar.decoding.ar import generate
 from diffar.decoding.sampling import SamplingConfig
@@ -51,20 +52,15 @@ def _fixed_prompts(source: str, tokenizer: Tokenizer, examples: int, corpus: str
     if source == "corpus":
         if not corpus:
             raise DiffarError("--source corpus needs a corpus: this model was imported, name one with --corpus")
-        prompts = corpus_prompts(tokenizer, corpus, examples)
-        if len(prompts) < examples:
-            raise DiffarError(f"the train split of {corpus} gives {len(prompts)} prompts, fewer than --examples "
-                              f"{examples}")
-        return prompts
-    if source == "code":
-        functions = stdlib_functions(examples)
-        if len(functions) < examples:
-            raise DiffarError(f"the standard library holds {len(functions)} documented functions, fewer than "
-                              f"--examples {examples}")
-        return [code_prompt(tokenizer, f) for f in functions]
-    prompts = windows(tokenizer, "shakespeare", "train", examples)
+        prompts, where = corpus_prompts(tokenizer, corpus, examples), f"the train split of {corpus}"
+    elif source == "code":
+        prompts = [code_prompt(tokenizer, f) for f in stdlib_functions(examples)]
+        where = "the standard library's documented functions"
+    else:
+        prompts = windows(tokenizer, load_corpus("shakespeare", "train").documents, examples)
+        where = "the Shakespeare train split's windows"
     if len(prompts) < examples:
-        raise DiffarError(f"the Shakespeare train split holds {len(prompts)} windows, fewer than --examples {examples}")
+        raise DiffarError(f"{where} give {len(prompts)} prompts, fewer than --examples {examples}")
     return prompts
 
 
