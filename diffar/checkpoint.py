@@ -189,9 +189,7 @@ def load_for_inference(path: str | Path, tokenizer_path: str | Path | None = Non
                        device: str = "cpu") -> tuple[torch.nn.Module, Tokenizer, dict]:
     """`load_checkpoint` at a named inference precision (fp32, bf16, fp16, int8) on `device` (cpu, cuda)."""
     model, tokenizer, meta = load_checkpoint(path, tokenizer_path)
-    model = place(model, dtype, device)
-    if isinstance(model, BlockDrafter):  # its target moved with it; its linear layers get the same kernels
-        model.attach(place(model.target, dtype, device))
+    model = model.placed(dtype, device) if isinstance(model, BlockDrafter) else place(model, dtype, device)
     return model, tokenizer, meta
 
 

@@ -15,6 +15,7 @@ from diffar.decoding.drafter import BlockProposer
 from diffar.decoding.speculative import speculative_generate
 from diffar.errors import DiffarError
 from diffar.models.drafter import BlockDrafter, DrafterConfig, spread_layers
+from diffar.models.precision import DTYPES, draft_dtype
 from tests.conftest import TINY_TRAIN, assert_clean_error, random_model, run_cli
 from tests.test_speculative import assert_follows_the_ar_law
 
@@ -40,6 +41,21 @@ def test_greedy_equals_ar(tree, draft_vocab):
     out = speculative_generate(target, BlockProposer(drafter, tree), PROMPTS, 24, k=4, eos_id=None)
     assert out.tokens == reference
     assert out.passes["draft"] > 0 and out.extra["drafted"] > 0
+
+
+@pytest.mark.parametrize("tree", [0, 6])
+def test_a_placed_drafter_drafts_at_its_own_precision(tree):
+    """Placed for inference beside an fp32 target, the drafter's own layers and its draft head run at
+    `draft_dtype` (bf16 where that is fast), the target stays fp32, and the text is still the target's."""
+    drafter = drafter_for(random_model(0), draft_vocab=64, block=5)
+    drafter.set_vocab(torch.rand(512))
+    drafter = drafter.placed("fp32")
+    target, dtype = drafter.target, DTYPES[draft_dtype("fp32")]
+    assert target.lm_head.weight.dtype == torch.float32
+    assert drafter.norm.weight.dtype == drafter._draft_head().weight.dtype == dtype
+    reference = generate(target, PROMPTS, 24, eos_id=None, pad_id=0).tokens
+    out = speculative_generate(target, BlockProposer(drafter, tree), PROMPTS, 24, k=4, eos_id=None)
+    assert out.tokens == reference and out.extra["drafted"] > 0
 
 
 def test_a_drafter_that_knows_the_answer_is_accepted():

@@ -1,5 +1,5 @@
-"""Inference precision, device and compilation: --device cuda without CUDA is a one-line error; bf16's packed
-linear layers compute what F.linear does; int8 (weight-only) stays close to fp32; a compiled decoding step
+"""Inference precision, device and compilation: --device cuda without CUDA is a one-line error; the packed
+linear layers (bf16 and fp32) compute what F.linear does and survive moves and casts; int8 (weight-only) stays close to fp32; a compiled decoding step
 writes what the eager one does."""
 
 from __future__ import annotations
@@ -54,6 +54,32 @@ def test_packed_bf16_linears_compute_what_f_linear_does():
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
     assert generate(packed, prompts, 16, pad_id=0, eos_id=None).tokens == \
         generate(plain, prompts, 16, pad_id=0, eos_id=None).tokens
+
+
+@pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="no oneDNN on this CPU")
+def test_fp32_is_packed_and_writes_f_linears_greedy_text():
+    plain, packed = random_model(0), place(random_model(0), "fp32")
+    assert isinstance(packed.blocks[0].ffn.gate_up, PackedLinear) and packed.lm_head.weight.dtype == torch.float32
+    ids = torch.randint(0, 512, (3, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids)[0], plain(ids)[0])
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    assert generate(packed, prompts, 24, pad_id=0, eos_id=None).tokens == \
+        generate(plain, prompts, 24, pad_id=0, eos_id=None).tokens
+
+
+@pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="no oneDNN on this CPU")
+def test_a_packed_layer_moved_or_cast_packs_again_or_multiplies_plainly():
+    """`.to` on a packed model (a trainer moving a frozen target to its device) must not reach the oneDNN copy:
+    the weight moves and is packed again where it can be, else the layer falls back to F.linear."""
+    model, x = place(random_model(0), "fp32"), torch.randint(0, 512, (2, 9))
+    half = model.to(torch.float16)
+    assert half.lm_head.packed is None and half.lm_head.weight.dtype == torch.float16
+    with torch.no_grad():
+        torch.testing.assert_close(half(x)[0], random_model(0).half()(x)[0])
+        back = half.float()
+        assert back.lm_head.packed is not None and back.lm_head.packed.dtype == torch.float32
+        assert back(x)[0].dtype == torch.float32
 
 
 def test_int8_stays_close_to_fp32_on_a_shipped_model():

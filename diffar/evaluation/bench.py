@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from diffar.checkpoint import ar_stream, load_ar, load_checkpoint, load_for_inference, read_meta, target_path
+from diffar.checkpoint import ar_stream, load_ar, load_for_inference, read_meta, target_path
 from diffar.data.corpora import checkpoint_corpus, domain_name
 from diffar.decoding.refusion import DraftSchedule
 from diffar.decoding.result import GenerationResult
@@ -24,7 +24,7 @@ from diffar.data.prompts import prompt_set as prompt_set_ids
 from diffar.decoding.sampling import SamplingConfig
 from diffar.evaluation.peers import PEERS, transformers_generate, transformers_llama, transformers_version
 from diffar.generation import ARMethod, DD2Method, GenerationMethod, Options, RefusionMethod
-from diffar.models.precision import compile_decode
+from diffar.models.precision import compile_decode, draft_dtype
 from diffar.models.refusion import RefusionModel
 
 
@@ -218,10 +218,10 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
     are scored against the references (the real continuation, for continuation) and compared with plain
     AR's token for token.
     """
-    model, tokenizer, meta = load_checkpoint(checkpoint)
+    model, tokenizer, meta = load_for_inference(checkpoint)
     if any(m.startswith("refusion") for m in methods) and meta["kind"] not in ("refusion", "drafter"):
         raise DiffarError(f"{checkpoint} is an AR checkpoint; the refusion methods need a ReFusion or drafter one")
-    draft_model = load_ar(draft, tokenizer, "--draft") if "ar+draft" in methods else None
+    draft_model = load_ar(draft, tokenizer, "--draft", dtype=draft_dtype("fp32")) if "ar+draft" in methods else None
     builders = lossless_methods(model, tokenizer, meta["task"], draft_model, k, plan_threshold, plan_slot)
     unknown = set(methods) - set(builders)
     if unknown:
@@ -286,7 +286,7 @@ def bench_prompt_set(checkpoint: str, prompt_set: str, n_prompts: int, new_token
     ar = ar_stream(model)
     if any(m.startswith("refusion") for m in methods) and meta["kind"] not in ("refusion", "drafter"):
         raise DiffarError(f"{checkpoint} is an AR checkpoint; the refusion methods need a drafter or ReFusion one")
-    draft_model = load_ar(draft, tokenizer, "--draft", dtype=dtype) if "ar+draft" in methods else None
+    draft_model = load_ar(draft, tokenizer, "--draft", dtype=draft_dtype(dtype)) if "ar+draft" in methods else None
     builders = lossless_methods(model, tokenizer, meta["task"], draft_model, k, 0.9, 1)
     unknown = set(methods) - set(builders) - set(PEER_METHODS)
     if unknown:

@@ -13,7 +13,7 @@ from diffar.errors import DiffarError
 from diffar.generation.ar import ARMethod, RefusionMethod
 from diffar.generation.dd2 import DD2Method
 from diffar.generation.method import GenerationMethod, OptionError, Options
-from diffar.models.precision import compile_decode
+from diffar.models.precision import compile_decode, draft_dtype
 
 METHODS: dict[str, type] = {"ar": ARMethod, "refusion": RefusionMethod, "dd2": DD2Method}
 
@@ -40,7 +40,8 @@ def load_method(checkpoint: str, method: str | None = None, *, dtype: str = "fp3
     with: an AR drafter (`draft` checkpoint or `prompt_lookup`, verifying `k` drafts a pass), ReFusion's draft
     `schedule` (with `prompt_lookup`, the copies join its drafts), DD2's best-of `judge` or `hybrid` continuer
     (AR checkpoints). Every model loads in `dtype` (fp32, bf16, fp16, int8) on `device` (cpu, cuda), and decodes
-    there; `compile` compiles plain AR decoding's step (models/precision.compile_decode)."""
+    there, a drafter at `precision.draft_dtype` (bf16 beside fp32 on most CPUs); `compile` compiles plain AR
+    decoding's step (models/precision.compile_decode)."""
     method = resolve_method(checkpoint, method)
     given = {"draft": draft, "prompt_lookup": prompt_lookup, "schedule": schedule, "judge": judge, "hybrid": hybrid,
              "no_cache": not use_cache, "compile": compile}
@@ -66,6 +67,6 @@ def load_method(checkpoint: str, method: str | None = None, *, dtype: str = "fp3
                                      "uncached decoder")
     if compile:
         compile_decode(ar_stream(model))
-    proposer = PromptLookup() if prompt_lookup else DraftModel(load_ar(draft, tok, "draft", **alike)) \
-        if draft else None
+    proposer = PromptLookup() if prompt_lookup else \
+        DraftModel(load_ar(draft, tok, "draft", dtype=draft_dtype(dtype, device), device=device)) if draft else None
     return ARMethod(ar_stream(model), tok, task, proposer=proposer, k=k or 8, use_cache=use_cache, compiled=compile)

@@ -35,7 +35,8 @@ from torch import nn
 from diffar.config import Config
 from diffar.data.batching import IGNORE_INDEX
 from diffar.errors import DiffarError
-from diffar.models.packed_linear import PackedLinear
+from diffar.models.packed_linear import PackedLinear, can_pack
+from diffar.models.precision import draft_dtype, place
 from diffar.models.transformer import Block, RMSNorm, Transformer, TransformerConfig, apply_rope, rope_angles
 
 TEACHER_TOP = 8  # the target's likeliest tokens per position that the KL term reads
@@ -145,6 +146,15 @@ class BlockDrafter(nn.Module):
             self.target._apply(fn, recurse)
         return super()._apply(fn, recurse)
 
+    def placed(self, dtype: str = "fp32", device: str = "cpu") -> BlockDrafter:
+        """For inference: the target at `dtype` on `device` (precision.place), the drafter's own layers at
+        `draft_dtype` (bf16 beside an fp32 target on most CPUs): its drafts are verified, whatever their precision."""
+        target = self.target
+        self.__dict__["target"] = None  # placed on its own (`_apply` would move it along)
+        drafter = place(self, draft_dtype(dtype, device), device)
+        drafter.attach(place(target, dtype, device))
+        return drafter
+
     @torch.no_grad()
     def init_from_target(self) -> None:
         """Start each draft layer from one of the target's last layers (same shapes), a warm start."""
@@ -194,22 +204,23 @@ class BlockDrafter(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft states (..., d) -> logits over the draft vocabulary (..., len(vocab)), by the target's output layer."""
-        w = self.target.lm_head.weight
         if torch.is_grad_enabled():  # training: a plain product the gradient flows through (a packed one has none)
+            w = self.target.lm_head.weight
             return F.linear(h.to(w.dtype), w[self.vocab] if self.config.draft_vocab else w)
-        return self._draft_head()(h.to(w.dtype))
+        head = self._draft_head()
+        return head(h.to(head.weight.dtype))
 
     def _draft_head(self) -> nn.Module:
-        """The target's output layer, or its draft-vocabulary rows as a layer of their own, made once for
-        inference (packed for oneDNN where the target's own output layer is)."""
+        """The target's output layer, or its draft-vocabulary rows as a layer of their own at the drafter's
+        precision, made once for inference (packed for oneDNN where it can be)."""
         if not self.config.draft_vocab:
             return self.target.lm_head
         head = self.__dict__.get("_head")
         if head is None:
-            w = self.target.lm_head.weight
-            head = nn.Linear(w.shape[1], len(self.vocab), bias=False, device=w.device, dtype=w.dtype)
-            head.weight = nn.Parameter(w[self.vocab].detach(), requires_grad=False)
-            head = PackedLinear(head) if isinstance(self.target.lm_head, PackedLinear) else head
+            w, dtype = self.target.lm_head.weight, self.norm.weight.dtype
+            head = nn.Linear(w.shape[1], len(self.vocab), bias=False, device=w.device, dtype=dtype)
+            head.weight = nn.Parameter(w[self.vocab].detach().to(dtype), requires_grad=False)
+            head = PackedLinear(head) if can_pack(head.weight) else head
             self.__dict__["_head"] = head
         return head
 

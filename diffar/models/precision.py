@@ -9,7 +9,7 @@ from torch import nn
 
 from diffar.errors import DiffarError
 from diffar.models.int8_linear import int8_linears
-from diffar.models.packed_linear import pack_linears
+from diffar.models.packed_linear import can_pack, pack_linears
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISIONS = (*DTYPES, "int8")
@@ -43,9 +43,20 @@ def place(model: nn.Module, dtype: str = "fp32", device: str = "cpu") -> nn.Modu
             raise DiffarError("--dtype int8 (weight-only int8 kernels) runs on the CPU only; use bf16 on CUDA")
         return int8_linears(model.to(target, torch.bfloat16).eval())
     model = model.to(target, DTYPES[dtype]).eval()
-    # bf16 on the CPU: prepacked oneDNN products, ~2x faster decoding steps (fp32 keeps F.linear: as fast at
-    # batch 1, and bit-identical to what the shipped models were checked with)
-    return pack_linears(model) if dtype == "bf16" and target.type == "cpu" else model
+    # CPU fp32 and bf16 linear layers get prepacked oneDNN products (models/packed_linear.py): in bf16 ~2x faster
+    # decoding steps, in fp32 1.3-1.6x at batch 1 and 1.3x at batch 8 on an AMD EPYC (docs/benchmarks.md)
+    return pack_linears(model)
+
+
+def draft_dtype(dtype: str, device: str = "cpu") -> str:
+    """The precision a drafter runs at beside a target placed at `dtype` on `device`: bf16 where bf16 products
+    are fast (CUDA, or a CPU with oneDNN bf16) or the target is int8, else the target's own. A draft's precision
+    never changes the verified text, only how much of it is accepted, and bf16 halves what a draft pass reads
+    (a 7M target's fp32 drafter: a draft 2.5 -> 1.9 ms, docs/benchmarks.md)."""
+    if dtype in ("bf16", "fp16"):
+        return dtype
+    fast = resolve_device(device).type == "cuda" or can_pack(torch.zeros(1, dtype=torch.bfloat16))
+    return "bf16" if fast or dtype == "int8" else dtype
 
 
 def compile_decode(model: nn.Module) -> None:
