@@ -12,8 +12,10 @@ from diffar.data.batching import IGNORE_INDEX
 from diffar.data.corpora import load_corpus
 from diffar.decoding.ar import generate
 from diffar.decoding.drafter import BlockProposer
+from diffar.decoding.refusion import DraftSchedule
 from diffar.decoding.speculative import speculative_generate
 from diffar.errors import DiffarError
+from diffar.generation import Options, load_method
 from diffar.models.drafter import BlockDrafter, DrafterConfig, spread_layers
 from diffar.models.precision import DTYPES, draft_dtype
 from tests.conftest import TINY_TRAIN, assert_clean_error, random_model, run_cli
@@ -99,7 +101,7 @@ def test_decoding_reads_what_training_reads():
     text = torch.tensor([PROMPTS[2] + [30, 31, 32]])
     s = len(PROMPTS[2])  # the anchor: token s, context positions < s
     with torch.no_grad():
-        _, features = target.tapped_states(text, drafter.config.feature_layers)
+        _, features = target.hidden_states(text, taps=drafter.config.feature_layers)
         T = text.shape[1]
         kv = drafter.context_kv(drafter.context(features), torch.arange(T).unsqueeze(0))
         sees = (torch.arange(T) < s).view(1, 1, 1, T)
@@ -274,6 +276,22 @@ def test_cli_generate_equals_ar(tiny_drafter, tiny_shakespeare_run):
         assert drafted.stdout == plain.stdout
         assert "drafter passes" in drafted.stderr
     assert "refusion-tree+prompt-lookup" in drafted.stderr
+
+
+def test_compiled_drafting_is_greedy_ar(tiny_drafter, tiny_shakespeare_run):
+    """--compile with a block drafter: the target's passes and the drafter's, compiled, write the eager greedy AR
+    text, chain and tree with prompt lookup's copies, batched (3 rows, padded to 4, the padding dropped)."""
+    _, out = tiny_drafter
+    eager = load_method(str(tiny_shakespeare_run))
+    settings = eager.settings(Options())
+    prompts = [eager.prompt(t) for t in ("ROMEO.\nBut soft, what light", "KING.\nNow is the", "To be, or not")]
+    reference = eager.generate(prompts, 24, settings, ignore_eos=True).tokens
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for schedule in (DraftSchedule(), DraftSchedule(tree=8, lookup=True)):
+        method = load_method(str(out), compile=True, schedule=schedule)
+        got = method.generate(prompts, 24, settings, ignore_eos=True)
+        assert got.tokens == reference and got.passes["draft"] > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
 
 
 def test_cli_training_goes_on_from_a_drafter(tiny_drafter, tiny_shakespeare_run, tmp_path):

@@ -1,6 +1,6 @@
 """Inference precision, device and compilation: --device cuda without CUDA is a one-line error; the packed
-linear layers (bf16 and fp32) compute what F.linear does and survive moves and casts; int8 (weight-only) stays close to fp32; a compiled decoding step
-writes what the eager one does."""
+linear layers (bf16 and fp32) compute what F.linear does and survive moves and casts; int8 (weight-only) stays close
+to fp32; compiled decoding passes (plain AR's, draft-and-verify's) write what the eager ones do."""
 
 from __future__ import annotations
 
@@ -99,10 +99,10 @@ def test_int8_stays_close_to_fp32_on_a_shipped_model():
     assert abs(nll_b - nll_a) / nll_a < 0.02, (float(nll_a), float(nll_b))
 
 
-def test_compiled_decoding_is_the_eager_decoding(tiny_run):
+def test_compiled_decoding_is_the_eager_decoding(tiny_run, tiny_refusion):
     """--compile: the compiled step writes the eager decoder's greedy text, row for row as run alone in a batch
     of 3 (padded to 4 rows, the padding dropped); once warm, new lengths make no new graphs; a compiled
-    method refuses the decoders it does not compile."""
+    method refuses the decoders it does not compile (the uncached one, an embedding diffusion stream's)."""
     eager = load_method(str(tiny_run))
     compiled = load_method(str(tiny_run), compile=True)
     assert compiled.label == "ar-compile" and compiled.model.decode is not eager.model.decode
@@ -120,6 +120,22 @@ def test_compiled_decoding_is_the_eager_decoding(tiny_run):
     for batch, budget in (([prompts[2]], 30), (prompts, 24), (prompts[1:], 9)):  # longer caches, batch 2
         same(batch, budget)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1  # batch 2 only
-    for flag in ({"prompt_lookup": True}, {"use_cache": False}):
-        with pytest.raises(OptionError, match="compile applies to plain KV-cached AR decoding"):
-            load_method(str(tiny_run), compile=True, **flag)
+    with pytest.raises(OptionError, match="compile applies to KV-cached decoding"):
+        load_method(str(tiny_run), compile=True, use_cache=False)
+    with pytest.raises(OptionError, match="not to an embedding diffusion stream"):
+        load_method(str(tiny_refusion), compile=True)
+
+
+def test_compiled_draft_and_verify_is_greedy_ar(tiny_run):
+    """--compile with a drafter: prompt lookup's verification passes and a draft model's own passes compiled write
+    the eager greedy AR text, batched (3 rows, padded to 4, the padding dropped), and do make graphs."""
+    eager = load_method(str(tiny_run))
+    settings = eager.settings(Options())
+    prompts = [eager.prompt(t) for t in ("In the beginning", "And God said, Let there be light", "Jesus wept")]
+    reference = eager.generate(prompts, 20, settings, ignore_eos=True).tokens
+    for drafter in ({"prompt_lookup": True}, {"draft": str(tiny_run)}):
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        method = load_method(str(tiny_run), compile=True, **drafter)
+        got = method.generate(prompts, 20, settings, ignore_eos=True)
+        assert got.tokens == reference
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs

@@ -60,9 +60,11 @@ def register(subparsers) -> None:
     bar.add_argument("--repeats", type=flags.positive_int, default=1)
     bar.set_defaults(func=run_ar)
 
-    draft_length = argparse.ArgumentParser(add_help=False)
-    draft_length.add_argument("--k", type=flags.int_in(1, flags.MAX_DRAFT), default=8, help="draft length (block size)")
-    lossless = [_prompts(32, [1]), draft_length, json_out, threads]
+    verifying = argparse.ArgumentParser(add_help=False)
+    verifying.add_argument("--k", type=flags.int_in(1, flags.MAX_DRAFT), default=8, help="draft length (block size)")
+    verifying.add_argument("--compile", action="store_true",
+                           help="compile every diffar method's passes (plain AR's too; in the warm-up round)")
+    lossless = [_prompts(32, [1]), verifying, json_out, threads]
     bsp = methods.add_parser("speculative", help="AR vs lossless prompt-lookup and draft-model decoding",
                              parents=lossless)
     bsp.add_argument("--checkpoint", default="checkpoints/ar-kjv2web")
@@ -153,7 +155,7 @@ def _lossless(args, **infill) -> None:
 
     _draft_peer(args)
     records = bench_lossless(args.checkpoint, args.draft, args.corpus, args.prompts, args.new_tokens, args.k,
-                             args.batch_sizes, args.methods, split=args.split, **infill)
+                             args.batch_sizes, args.methods, split=args.split, compile=args.compile, **infill)
     _report(records, args)
 
 
@@ -173,7 +175,8 @@ def run_refusion(args) -> None:
     _draft_peer(args)
     records = bench_prompt_set(args.checkpoint, args.set, args.prompts, args.new_tokens, args.batch_sizes,
                                args.methods, draft=args.draft if "ar+draft" in args.methods else None, k=args.k,
-                               temperature=args.temperature, dtype=args.dtype, seed=args.seed, data=args.corpus)
+                               temperature=args.temperature, dtype=args.dtype, seed=args.seed, data=args.corpus,
+                               compile=args.compile)
     _report(records, args)
 
 

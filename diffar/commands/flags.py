@@ -94,11 +94,12 @@ def device() -> argparse.ArgumentParser:
 
 
 def compile_step() -> argparse.ArgumentParser:
-    """`--compile`: torch.compile of plain AR decoding's step (models/precision.compile_decode)."""
+    """`--compile`: torch.compile of the AR model's decoding passes and a drafter's (models/precision.py)."""
     p = _parent()
     p.add_argument("--compile", action="store_true",
-                   help="compile the AR decoding step with torch.compile (plain KV-cached AR only): faster steps "
-                        "after a one-time compile per batch size (tens of seconds on a CPU, cached on disk)")
+                   help="compile the AR model's decoding passes (and a block drafter's or draft model's) with "
+                        "torch.compile: faster passes after a one-time compile per batch size (tens of seconds on "
+                        "a CPU, cached on disk)")
     return p
 
 

@@ -81,16 +81,13 @@ class DecodeState:
         within, offsets = tree or (torch.ones(n, n, dtype=torch.bool).tril().expand(B, n, n), torch.arange(n))
         positions = torch.tensor([len(s) - 1 for s in self.seqs]).unsqueeze(1) + offsets
         mask = torch.cat([self.valid[:, None, :self.write].expand(B, n, self.write), within], dim=2)
-        return self.run(target, blocks, positions=positions, attn_mask=mask.unsqueeze(1))
+        return self.run(target, blocks, positions, mask.unsqueeze(1))
 
-    def run(self, target: Transformer, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
-        """The target over `tokens` at slots [write, write + T) (`hidden_states` arguments) -> its final states;
+    def run(self, target: Transformer, tokens: torch.Tensor, positions: torch.Tensor,
+            attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """The target over `tokens` at slots [write, write + T) (`Transformer.extend`) -> its final states;
         what the drafter reads of them goes to `hidden`."""
-        if self.hidden is None or not self.taps:
-            h = target.hidden_states(tokens, cache_start=self.write, **kwargs)
-            kept = h
-        else:
-            h, kept = target.tapped_states(tokens, self.taps, cache_start=self.write, **kwargs)
+        h, kept = target.extend(tokens, positions, attn_mask, self.write, self.taps if self.hidden is not None else ())
         if self.hidden is not None:
             self.hidden[:, self.write:self.write + tokens.shape[1]] = kept
         return h
@@ -348,7 +345,7 @@ def speculative_generate(
         hidden=target.tok_emb.weight.new_zeros(B, slots, target.config.d_model * max(1, len(proposer.taps)))
         if proposer.needs_hidden else None, write=0, done=[False] * B, taps=proposer.taps)
     state.valid[:, :width] = torch.arange(width) >= batch.pad.unsqueeze(1)
-    h = state.run(target, batch.tokens, positions=batch.positions(0, width), attn_mask=batch.attn_mask(0, width))
+    h = state.run(target, batch.tokens, batch.positions(0, width), batch.attn_mask(0, width))
     state.write = width
     pins = fixed or [{} for _ in prompts]
     last_pin = [max(p, default=-1) for p in pins]

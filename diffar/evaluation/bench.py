@@ -23,7 +23,7 @@ from diffar.evaluation.metrics import conditional_perplexity, repetition, text_m
 from diffar.data.prompts import prompt_set as prompt_set_ids
 from diffar.decoding.sampling import SamplingConfig
 from diffar.evaluation.peers import PEERS, transformers_generate, transformers_llama, transformers_version
-from diffar.generation import ARMethod, DD2Method, GenerationMethod, Options, RefusionMethod
+from diffar.generation import ARMethod, DD2Method, GenerationMethod, Options, RefusionMethod, compile_models
 from diffar.models.precision import compile_decode, draft_dtype
 from diffar.models.refusion import RefusionModel
 
@@ -52,9 +52,11 @@ def _batches(n: int, batch_size: int) -> list[range]:
 def _run(method: GenerationMethod, settings, prompts: list[list[int]], batches: list[range], budget, *,
          generator: torch.Generator | None = None, ignore_eos: bool = False) -> list[GenerationResult]:
     """`method` over the prompts batch by batch (`budget(rows)` new tokens each), after one warm-up run on the
-    first batch: a pass at a new shape sets up its kernels, which is not what decoding costs."""
+    first batch: a pass at a new shape sets up its kernels, which is not what decoding costs. A compiled method
+    warms up on every batch: a prompt or block of a new kind (longer caches, no drafts) makes a graph of its own."""
     run = dict(generator=generator, ignore_eos=ignore_eos)
-    method.generate([prompts[i] for i in batches[0]], budget(batches[0]), settings, **run)
+    for rows in batches if getattr(method, "compiled", False) else batches[:1]:
+        method.generate([prompts[i] for i in rows], budget(rows), settings, **run)
     return [method.generate([prompts[i] for i in rows], budget(rows), settings, **run)
             for rows in tqdm(batches, desc=method.name, unit="batch", leave=False, dynamic_ncols=True)]
 
@@ -180,33 +182,32 @@ TREE_NODES = 24  # refusion-tree's node budget
 
 
 def lossless_methods(model, tokenizer, task: str, draft_model, k: int, plan_threshold: float,
-                     plan_slot: int) -> dict:
-    """The lossless bench's methods by name, all verifying with the same AR weights."""
+                     plan_slot: int, compiled: bool = False) -> dict:
+    """The lossless bench's methods by name, all verifying with the same AR weights; `compiled`: their passes are
+    (generation.compile_models)."""
     ar = ar_stream(model)
     # ReFusion drafts `block` tokens a pass; a block drafter verifies its whole block (the anchor aside)
     k_refusion = min(k, model.config.block) if isinstance(model, RefusionModel) else None
+
+    def refusion(**schedule):
+        return lambda: RefusionMethod(model, tokenizer, task, k=k_refusion, schedule=DraftSchedule(**schedule),
+                                      compiled=compiled)
     return {
-        "ar": lambda: ARMethod(ar, tokenizer, task),
-        "ar+prompt-lookup": lambda: ARMethod(ar, tokenizer, task, proposer=PromptLookup(), k=k),
-        "ar+draft": lambda: ARMethod(ar, tokenizer, task, proposer=DraftModel(draft_model), k=k),
-        "refusion": lambda: RefusionMethod(model, tokenizer, task, k=k_refusion),
-        "refusion-dynamic": lambda: RefusionMethod(model, tokenizer, task, k=k_refusion,
-                                                   schedule=DraftSchedule(dynamic=True)),
-        "refusion-infill": lambda: RefusionMethod(model, tokenizer, task, k=k_refusion,
-                                                  schedule=DraftSchedule(plan_threshold=plan_threshold,
-                                                                         plan_slot=plan_slot)),
-        "refusion-tree": lambda: RefusionMethod(model, tokenizer, task, k=k_refusion,
-                                                schedule=DraftSchedule(tree=TREE_NODES)),
-        "refusion+prompt-lookup": lambda: RefusionMethod(model, tokenizer, task, k=k_refusion,
-                                                         schedule=DraftSchedule(lookup=True)),
-        "refusion-tree+prompt-lookup": lambda: RefusionMethod(model, tokenizer, task, k=k_refusion,
-                                                              schedule=DraftSchedule(tree=TREE_NODES, lookup=True)),
+        "ar": lambda: ARMethod(ar, tokenizer, task, compiled=compiled),
+        "ar+prompt-lookup": lambda: ARMethod(ar, tokenizer, task, proposer=PromptLookup(), k=k, compiled=compiled),
+        "ar+draft": lambda: ARMethod(ar, tokenizer, task, proposer=DraftModel(draft_model), k=k, compiled=compiled),
+        "refusion": refusion(),
+        "refusion-dynamic": refusion(dynamic=True),
+        "refusion-infill": refusion(plan_threshold=plan_threshold, plan_slot=plan_slot),
+        "refusion-tree": refusion(tree=TREE_NODES),
+        "refusion+prompt-lookup": refusion(lookup=True),
+        "refusion-tree+prompt-lookup": refusion(tree=TREE_NODES, lookup=True),
     }
 
 
 def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, n_prompts: int, new_tokens: int,
                    k: int, batch_sizes: list[int], methods: list[str], plan_threshold: float = 0.9, plan_slot: int = 1,
-                   split: str = "test", domain: str | None = None) -> list[BenchRecord]:
+                   split: str = "test", domain: str | None = None, compile: bool = False) -> list[BenchRecord]:
     """Greedy AR against the draft-and-verify methods, all verifying with the same AR weights (a ReFusion
     checkpoint's AR stream, a block drafter's target, or an AR checkpoint), on the same prompts in the same
     batches, from `split` (valid when comparing training choices; a drafter's prompts come from its target's
@@ -216,16 +217,18 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
 
     seq2seq runs stop at eos (`_budget`); continuation runs make exactly `new_tokens` (eos ignored). Outputs
     are scored against the references (the real continuation, for continuation) and compared with plain
-    AR's token for token.
+    AR's token for token. `compile`: as in `bench_prompt_set`.
     """
     model, tokenizer, meta = load_for_inference(checkpoint)
     if any(m.startswith("refusion") for m in methods) and meta["kind"] not in ("refusion", "drafter"):
         raise DiffarError(f"{checkpoint} is an AR checkpoint; the refusion methods need a ReFusion or drafter one")
     draft_model = load_ar(draft, tokenizer, "--draft", dtype=draft_dtype("fp32")) if "ar+draft" in methods else None
-    builders = lossless_methods(model, tokenizer, meta["task"], draft_model, k, plan_threshold, plan_slot)
+    builders = lossless_methods(model, tokenizer, meta["task"], draft_model, k, plan_threshold, plan_slot, compile)
     unknown = set(methods) - set(builders)
     if unknown:
         raise DiffarError(f"unknown method(s) {', '.join(sorted(unknown))}; choose from {', '.join(builders)}")
+    if compile:
+        compile_models(model, draft_model)
     if meta["kind"] == "drafter" and not corpus_name:  # prompts from its target's corpus, not its training data
         corpus_name = read_meta(target_path(meta["target"]))["corpus"] or None
     corpus = checkpoint_corpus(meta, corpus_name, split)
@@ -252,7 +255,7 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
             drafted, accepted = (sum(r.extra.get(key, 0) for r in results) for key in ("drafted", "accepted"))
             quality = text_metrics([tokenizer.decode(o).strip() for o in outs], references)
             records.append(_record(name, Path(corpus.name).name, prompts, results, batch_size=bs, extra={
-                "split": split, "prompts": len(prompts),
+                "split": split, "prompts": len(prompts), "compiled": compile,
                 **({"domain": domain} if domain and name.startswith("refusion") else {}),
                 "plan_threshold": plan_threshold if name == "refusion-infill" else None,
                 "plan_slot": plan_slot if name == "refusion-infill" else None,
@@ -272,7 +275,8 @@ PEER_LOOKUP = 10  # transformers+prompt-lookup's drafted tokens (its documented 
 
 def bench_prompt_set(checkpoint: str, prompt_set: str, n_prompts: int, new_tokens: int, batch_sizes: list[int],
                      methods: list[str], *, draft: str | None = None, k: int = 8, temperature: float = 0.0,
-                     dtype: str = "bf16", seed: int = 0, data: str | None = None) -> list[BenchRecord]:
+                     dtype: str = "bf16", seed: int = 0, data: str | None = None,
+                     compile: bool = False) -> list[BenchRecord]:
     """The lossless methods on a pretrained chat model's prompt sets (data/prompts.py: code = HumanEval, chat,
     shakespeare), against the peers its users run on the same weights in the same run: transformers' `generate`
     and its prompt lookup (batch 1 only, as transformers allows). Chat and code stop at eos (at most
@@ -281,17 +285,20 @@ def bench_prompt_set(checkpoint: str, prompt_set: str, n_prompts: int, new_token
     Records: tokens/s, tokens per AR pass (tau, the bonus token included), draft acceptance, the drafter's cost
     per pass relative to a plain AR step at the same batch size, and (greedy) the share of rows equal to
     diffar AR's. `data`: the `distill data` file whose held-out chat prompts join the chat set (default: a
-    drafter's training corpus)."""
+    drafter's training corpus). `compile`: every diffar method's passes compiled (`generation.compile_models`;
+    compiled in the warm-up round), plain AR's included, so that each is measured against compiled AR."""
     model, tokenizer, meta = load_for_inference(checkpoint, dtype=dtype)
     ar = ar_stream(model)
     if any(m.startswith("refusion") for m in methods) and meta["kind"] not in ("refusion", "drafter"):
         raise DiffarError(f"{checkpoint} is an AR checkpoint; the refusion methods need a drafter or ReFusion one")
     draft_model = load_ar(draft, tokenizer, "--draft", dtype=draft_dtype(dtype)) if "ar+draft" in methods else None
-    builders = lossless_methods(model, tokenizer, meta["task"], draft_model, k, 0.9, 1)
+    builders = lossless_methods(model, tokenizer, meta["task"], draft_model, k, 0.9, 1, compile)
     unknown = set(methods) - set(builders) - set(PEER_METHODS)
     if unknown:
         raise DiffarError(f"unknown method(s) {', '.join(sorted(unknown))}; choose from "
                           f"{', '.join([*builders, *PEER_METHODS])}")
+    if compile:
+        compile_models(model, draft_model)
     prompts = prompt_set_ids(prompt_set, tokenizer, n_prompts, data or (meta["corpus"] if meta["kind"] == "drafter"
                                                                           else None))
     to_eos = prompt_set != "shakespeare"
@@ -324,6 +331,7 @@ def bench_prompt_set(checkpoint: str, prompt_set: str, n_prompts: int, new_token
             if name == "ar":
                 reference, step_s = outs, _step_seconds(results)
             extra = {"prompt_set": prompt_set, "prompts": len(prompts), "temperature": temperature,
+                     "compiled": compile and method is not None,
                      "peer": f"transformers {transformers_version()}" if method is None else None,
                      "prompt_lookup_tokens": PEER_LOOKUP if name == "transformers+prompt-lookup" else None}
             if method is not None and name != "ar":

@@ -13,12 +13,14 @@ from diffar.errors import DiffarError
 from diffar.generation.ar import ARMethod, RefusionMethod
 from diffar.generation.dd2 import DD2Method
 from diffar.generation.method import GenerationMethod, OptionError, Options
-from diffar.models.precision import compile_decode, draft_dtype
+from diffar.models.drafter import BlockDrafter
+from diffar.models.precision import compile_decode, compile_draft, draft_dtype
+from diffar.models.transformer import Transformer
 
 METHODS: dict[str, type] = {"ar": ARMethod, "refusion": RefusionMethod, "dd2": DD2Method}
 
 __all__ = ["METHODS", "ARMethod", "DD2Method", "GenerationMethod", "OptionError", "Options", "RefusionMethod",
-           "load_method", "resolve_method"]
+           "compile_models", "load_method", "resolve_method"]
 
 
 def resolve_method(checkpoint: str, method: str | None = None) -> str:
@@ -32,6 +34,16 @@ def resolve_method(checkpoint: str, method: str | None = None) -> str:
     return method or GENERATES[kind][0]
 
 
+def compile_models(model, draft_model: Transformer | None = None) -> None:
+    """Compile, in place, the passes a method over `model` decodes with: its AR model's (`precision.compile_decode`),
+    a block drafter's (`compile_draft`), a draft model's."""
+    compile_decode(ar_stream(model))
+    if isinstance(model, BlockDrafter):
+        compile_draft(model)
+    if draft_model is not None:
+        compile_decode(draft_model)
+
+
 def load_method(checkpoint: str, method: str | None = None, *, dtype: str = "fp32", tokenizer: str | None = None,
                 draft: str | None = None, prompt_lookup: bool = False, k: int | None = None,
                 schedule: DraftSchedule | None = None, judge: str | None = None, hybrid: str | None = None,
@@ -40,13 +52,13 @@ def load_method(checkpoint: str, method: str | None = None, *, dtype: str = "fp3
     with: an AR drafter (`draft` checkpoint or `prompt_lookup`, verifying `k` drafts a pass), ReFusion's draft
     `schedule` (with `prompt_lookup`, the copies join its drafts), DD2's best-of `judge` or `hybrid` continuer
     (AR checkpoints). Every model loads in `dtype` (fp32, bf16, fp16, int8) on `device` (cpu, cuda), and decodes
-    there, a drafter at `precision.draft_dtype` (bf16 beside fp32 on most CPUs); `compile` compiles plain AR
-    decoding's step (models/precision.compile_decode)."""
+    there, a drafter at `precision.draft_dtype` (bf16 beside fp32 on most CPUs); `compile` compiles the AR
+    model's decoding passes and a drafter's (models/precision.compile_decode, compile_draft)."""
     method = resolve_method(checkpoint, method)
     given = {"draft": draft, "prompt_lookup": prompt_lookup, "schedule": schedule, "judge": judge, "hybrid": hybrid,
              "no_cache": not use_cache, "compile": compile}
-    takes = {"ar": {"draft", "prompt_lookup", "no_cache", "compile"}, "refusion": {"schedule", "prompt_lookup"},
-             "dd2": {"judge", "hybrid"}}
+    takes = {"ar": {"draft", "prompt_lookup", "no_cache", "compile"},
+             "refusion": {"schedule", "prompt_lookup", "compile"}, "dd2": {"judge", "hybrid"}}
     for name, value in given.items():
         if value and name not in takes[method]:
             owners = " and ".join(m for m, names in takes.items() if name in names)
@@ -59,14 +71,17 @@ def load_method(checkpoint: str, method: str | None = None, *, dtype: str = "fp3
                          hybrid=hybrid and load_ar(hybrid, tok, "hybrid", task, **alike))
     if method == "refusion":
         schedule = schedule or DraftSchedule()
-        return RefusionMethod(model, tok, task, schedule=replace(schedule, lookup=schedule.lookup or prompt_lookup), k=k)
+        refusion = RefusionMethod(model, tok, task, schedule=replace(schedule, lookup=schedule.lookup or prompt_lookup),
+                                  k=k, compiled=compile)
+        if compile:
+            compile_models(model)
+        return refusion
     if draft and prompt_lookup:
         raise OptionError("draft", "choose one drafter: a draft model or prompt lookup")
-    if compile and (draft or prompt_lookup or not use_cache):
-        raise OptionError("compile", "compile applies to plain KV-cached AR decoding, not to a drafter's or the "
-                                     "uncached decoder")
+    if compile and not use_cache:
+        raise OptionError("compile", "compile applies to KV-cached decoding, not to the uncached decoder")
+    draft_model = load_ar(draft, tok, "draft", dtype=draft_dtype(dtype, device), device=device) if draft else None
     if compile:
-        compile_decode(ar_stream(model))
-    proposer = PromptLookup() if prompt_lookup else \
-        DraftModel(load_ar(draft, tok, "draft", dtype=draft_dtype(dtype, device), device=device)) if draft else None
+        compile_models(model, draft_model)
+    proposer = PromptLookup() if prompt_lookup else DraftModel(draft_model) if draft else None
     return ARMethod(ar_stream(model), tok, task, proposer=proposer, k=k or 8, use_cache=use_cache, compiled=compile)

@@ -28,8 +28,9 @@ class ARMethod:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, task: str, *, proposer: Proposer | None = None,
                  k: int = 8, use_cache: bool = True, adaptive: bool = False, compiled: bool = False):
-        """`compiled`: the model's decoding step is compiled (models/precision.compile_decode), whose graphs are
-        made per batch size: batches are padded to a power of two so that a few graphs serve every size."""
+        """`compiled`: the model's decoding passes (and its proposer's) are compiled (models/precision.compile_decode),
+        whose graphs are made per batch size: batches are padded to a power of two so that a few graphs serve
+        every size."""
         self.model, self.tokenizer, self.task = model, tokenizer, task
         self.proposer, self.k, self.use_cache, self.adaptive = proposer, k, use_cache, adaptive
         self.compiled = compiled
@@ -62,10 +63,10 @@ class ARMethod:
                       sampling=settings, generator=generator, on_token=within_budgets(budgets, on_token), fixed=fixed)
         if self.proposer is None:
             result = generate(self.model, prompts, max(budgets), use_cache=self.use_cache, **decode)
-            return replace(result, tokens=result.tokens[:rows], ended=result.ended[:rows],
-                           origins=result.origins[:rows])
-        return speculative_generate(self.model, self.proposer, prompts, max(budgets), k=self.k, adaptive=self.adaptive,
-                                    **decode)
+        else:
+            result = speculative_generate(self.model, self.proposer, prompts, max(budgets), k=self.k,
+                                          adaptive=self.adaptive, **decode)
+        return replace(result, tokens=result.tokens[:rows], ended=result.ended[:rows], origins=result.origins[:rows])
 
     def describe(self, result: GenerationResult, settings) -> tuple[str, str]:
         """(label, account of the passes) of a one-row result, for the speed line."""
@@ -74,8 +75,9 @@ class ARMethod:
         line = f"{passes} AR passes ({chosen / passes:.2f} tokens/AR pass)"
         if "drafted" not in result.extra:
             return self.label, line + f" | {'KV cache' if self.use_cache else 'no cache'}"
+        compiled = ", compiled" if self.compiled else ""
         return self.label, line + (f" | {result.extra['accepted']}/{result.extra['drafted']} drafts accepted, "
-                                   f"{result.passes['draft']} {self.drafter} passes")
+                                   f"{result.passes['draft']} {self.drafter} passes{compiled}")
 
 
 @dataclass(frozen=True)
@@ -96,8 +98,11 @@ class RefusionMethod(ARMethod):
     options = ARMethod.options | {"domain"}
 
     def __init__(self, model: RefusionModel | BlockDrafter, tokenizer: Tokenizer, task: str, *,
-                 schedule: DraftSchedule = DraftSchedule(), k: int | None = None):
+                 schedule: DraftSchedule = DraftSchedule(), k: int | None = None, compiled: bool = False):
         block = isinstance(model, BlockDrafter)
+        if compiled and not block:
+            raise OptionError("compile", "compile applies to a block drafter and its target, not to an embedding "
+                                         "diffusion stream (a ReFusion checkpoint)")
         if block and (schedule.dynamic or schedule.plan_threshold is not None or schedule.steps != 1):
             raise OptionError("schedule", "a block drafter drafts in one pass: denoising steps, the dynamic "
                                           "schedule and plan-and-infill apply to the embedding drafter only")
@@ -106,7 +111,7 @@ class RefusionMethod(ARMethod):
         if proposer and schedule.lookup:
             proposer = WithPromptLookup(proposer)
         super().__init__(model.target if block else model.ar, tokenizer, task, proposer=proposer, k=k_block,
-                         adaptive=True)  # verify about 1.5x what recent blocks kept, as ReFusion's decoder
+                         adaptive=True, compiled=compiled)  # verify about 1.5x what recent blocks kept, as ReFusion's
         self.refusion, self.schedule, self.drafter = model, schedule, "drafter" if block else "diffusion"
         self.domains = () if block else model.config.domains
         if not block:

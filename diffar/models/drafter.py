@@ -231,7 +231,7 @@ class BlockDrafter(nn.Module):
         (nothing is output there); with `top` > 0 also its `top` likeliest tokens there, `top_ids` (B, T, top),
         and their log-probabilities `top_logp`. It depends on the sequence only, so it may be computed once and
         cached."""
-        h, features = self.target.tapped_states(tokens, self.config.feature_layers)
+        h, features = self.target.hidden_states(tokens, taps=self.config.feature_layers)
         greedy = torch.full_like(targets, IGNORE_INDEX)
         output = targets != IGNORE_INDEX
         logits = self.target.lm_head(h[output])

@@ -60,23 +60,36 @@ def draft_dtype(dtype: str, device: str = "cpu") -> str:
 
 
 def compile_decode(model: nn.Module) -> None:
-    """Compile an AR model's cached decoding step (`Transformer.decode`) with torch.compile, in place.
+    """Compile an AR model's cached decoding passes with torch.compile, in place: the one-token step
+    (`Transformer.decode`) and the multi-token pass that draft-and-verify decoders run over a prompt and over
+    each block they verify (`Transformer.extend`).
 
-    Shapes are dynamic, so one graph serves every slot; the weights are frozen into the graph as constants,
-    so that inductor lays them out once for its matrix kernels. Each batch size gets its own graph (the packed
-    layouts are made for it) and its own KV caches, which a graph is bound to: they grow by doubling from 256
-    slots, each size a graph. `max-autotune` times inductor's own matrix kernels against
+    Shapes are dynamic, so one graph serves every slot and block length; the weights are frozen into the graph
+    as constants, so that inductor lays them out once for its matrix kernels. Each batch size gets its own graphs
+    (the packed layouts are made for it) and its own KV caches, which a graph is bound to: they grow by doubling
+    from 256 slots, each size a graph. `max-autotune` times inductor's own matrix kernels against
     aten's per shape and keeps the faster: on the CPU its AMX kernels run the int8 and bf16 products at batch
     8 ~2x faster than aten's. Not CUDA graphs: the cache length changes every step. The first step of each
     batch size compiles: about a minute on a 2-core CPU (measured on SmolLM2-135M: docs/benchmarks.md).
 
     Freezing is set in inductor's global config: passed in `options` it did not reach the weight packing (a
     batch-8 fp32 step took 65 ms, against 40 ms frozen and 70 ms eager)."""
+    model.kv_pool = {}  # the caches a graph was traced with stay its own (Transformer.setup_cache)
+    model.decode = _compiled(model.decode)
+    model.extend = _compiled(model.extend)
+
+
+def compile_draft(drafter: nn.Module) -> None:
+    """Compile a block drafter's pass (`BlockDrafter.draft_hidden`) as `compile_decode` compiles its target's."""
+    drafter.draft_hidden = _compiled(drafter.draft_hidden)
+
+
+def _compiled(fn):
     import torch._dynamo.config as dynamo
     import torch._inductor.config as inductor
 
     inductor.freezing = True
     inductor.autotune_num_choices_displayed = 0  # no autotuning tables on stderr
+    inductor.max_autotune_report_choices_stats = False  # nor its statistics
     dynamo.recompile_limit = max(dynamo.recompile_limit, 64)  # a graph per batch size and cache (not 8, then eager)
-    model.kv_pool = {}  # the caches a graph was traced with stay its own (Transformer.setup_cache)
-    model.decode = torch.compile(model.decode, dynamic=True, mode="max-autotune-no-cudagraphs")
+    return torch.compile(fn, dynamic=True, mode="max-autotune-no-cudagraphs")

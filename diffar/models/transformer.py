@@ -120,8 +120,12 @@ class Attention(nn.Module):
             k, v = self.kv_cache.update(cache_start, k, v)
         if attn_mask is None and 1 < T != k.shape[2]:
             raise ValueError("a multi-token forward after cached tokens needs an explicit attn_mask")
-        # Without a mask: causal, and a single new token sees the whole cache.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and T > 1,
+        # Without a mask: causal, and a single new token sees the whole cache. (A branch, not a bool expression:
+        # compiled with dynamic shapes, T > 1 is a symbol that only a branch turns into a constant.)
+        causal = False
+        if attn_mask is None and T > 1:
+            causal = True
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
                                            enable_gqa=self.n_kv_head != self.n_head)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -245,12 +249,15 @@ class Transformer(nn.Module):
         attn_mask: torch.Tensor | None = None,
         cache_start: int | None = None,
         fuse: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        taps: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens (B, T) -> final (normed) hidden states (B, T, d_model); arguments as in `forward`.
 
         `embeddings` (B, T, d_model) replace the tokens' own: soft tokens, such as a distribution's expected
         embedding (the DD2 energy loss reads a generator's relaxed output so). `fuse(i, x)`, if given, rewrites
-        the residual stream after block i (ReFusion's AR-side fusion).
+        the residual stream after block i (ReFusion's AR-side fusion). With `taps`, returns the final states
+        and the residual stream after each block in `taps`, concatenated (B, T, len(taps) * d_model): the
+        features a block drafter reads (models/drafter.py).
         """
         if (tokens is None) == (embeddings is None):
             raise ValueError("pass exactly one of tokens and embeddings")
@@ -265,6 +272,7 @@ class Transformer(nn.Module):
         if not torch.compiler.is_compiling() and int(positions.max()) >= self.config.max_seq_len:
             raise DiffarError(f"sequence longer than the model's context ({self.config.max_seq_len} tokens)")
         cos, sin = rope_angles(self.rope_cos, self.rope_sin, positions, x.dtype)
+        states = []  # the residual stream after each block (indexed, not tested with `in`: compiled, taps are symbols)
         for i, block in enumerate(self.blocks):
             if self.gradient_checkpointing and torch.is_grad_enabled() and cache_start is None:
                 x = checkpoint(block, x, cos, sin, attn_mask, None, use_reentrant=False)
@@ -272,19 +280,8 @@ class Transformer(nn.Module):
                 x = block(x, cos, sin, attn_mask, cache_start)
             if fuse is not None:
                 x = fuse(i, x)
-        return self.norm(x)
-
-    def tapped_states(self, tokens: torch.Tensor, taps: tuple[int, ...], **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """`hidden_states` (same arguments) and the residual stream after each block in `taps`, concatenated
-        (B, T, len(taps) * d_model): the features a block drafter reads (models/drafter.py)."""
-        kept: dict[int, torch.Tensor] = {}
-
-        def tap(i: int, x: torch.Tensor) -> torch.Tensor:
-            if i in taps:
-                kept[i] = x
-            return x
-        h = self.hidden_states(tokens, fuse=tap, **kwargs)
-        return h, torch.cat([kept[i] for i in taps], dim=-1)
+            states.append(x)
+        return (self.norm(x), torch.cat([states[i] for i in taps], dim=-1)) if taps else self.norm(x)
 
     def forward(
         self,
@@ -315,3 +312,11 @@ class Transformer(nn.Module):
         pass a decoder repeats per token, and the one `--compile` compiles (models/precision.compile_decode)."""
         h = self.hidden_states(tokens, positions=positions, attn_mask=attn_mask, cache_start=cache_start)
         return self.lm_head(h[:, -1])
+
+    def extend(self, tokens: torch.Tensor, positions: torch.Tensor, attn_mask: torch.Tensor | None,
+               cache_start: int, taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """Several cached tokens (B, T) at slots [cache_start, cache_start + T) -> their final states (B, T, d_model)
+        and the features at `taps` (as in `hidden_states`; the final states again without taps). A draft-and-verify
+        decoder's prefill and verification passes; `--compile` compiles it next to `decode`."""
+        out = self.hidden_states(tokens, positions=positions, attn_mask=attn_mask, cache_start=cache_start, taps=taps)
+        return out if taps else (out, out)
