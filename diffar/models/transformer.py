@@ -272,7 +272,8 @@ class Transformer(nn.Module):
         if not torch.compiler.is_compiling() and int(positions.max()) >= self.config.max_seq_len:
             raise DiffarError(f"sequence longer than the model's context ({self.config.max_seq_len} tokens)")
         cos, sin = rope_angles(self.rope_cos, self.rope_sin, positions, x.dtype)
-        states = []  # the residual stream after each block (indexed, not tested with `in`: compiled, taps are symbols)
+        states = []  # with taps, the residual stream after each block (indexed, not tested with `in`: compiled,
+        # taps are symbols); without, none is kept alive past its block
         for i, block in enumerate(self.blocks):
             if self.gradient_checkpointing and torch.is_grad_enabled() and cache_start is None:
                 x = checkpoint(block, x, cos, sin, attn_mask, None, use_reentrant=False)
@@ -280,7 +281,8 @@ class Transformer(nn.Module):
                 x = block(x, cos, sin, attn_mask, cache_start)
             if fuse is not None:
                 x = fuse(i, x)
-            states.append(x)
+            if taps:
+                states.append(x)
         return (self.norm(x), torch.cat([states[i] for i in taps], dim=-1)) if taps else self.norm(x)
 
     def forward(
