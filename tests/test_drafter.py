@@ -280,17 +280,17 @@ def test_cli_generate_equals_ar(tiny_drafter, tiny_shakespeare_run):
 
 def test_compiled_drafting_is_greedy_ar(tiny_drafter, tiny_shakespeare_run):
     """--compile with a block drafter: the target's passes and the drafter's, compiled, write the eager greedy AR
-    text, chain and tree with prompt lookup's copies, batched (3 rows, padded to 4, the padding dropped)."""
+    text, chain, tree and tree with prompt lookup's copies, batched (3 rows, padded to 4, the padding dropped)."""
     _, out = tiny_drafter
     eager = load_method(str(tiny_shakespeare_run))
     settings = eager.settings(Options())
     prompts = [eager.prompt(t) for t in ("ROMEO.\nBut soft, what light", "KING.\nNow is the", "To be, or not")]
     reference = eager.generate(prompts, 24, settings, ignore_eos=True).tokens
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for schedule in (DraftSchedule(), DraftSchedule(tree=8, lookup=True)):
+    for schedule in (DraftSchedule(), DraftSchedule(tree=8), DraftSchedule(tree=8, lookup=True)):
         method = load_method(str(out), compile=True, schedule=schedule)
         got = method.generate(prompts, 24, settings, ignore_eos=True)
-        assert got.tokens == reference and got.passes["draft"] > 0
+        assert got.tokens == reference and (got.passes["draft"] > 0 or schedule.lookup)  # copies first: maybe none
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
 
 
@@ -397,7 +397,8 @@ def test_cli_drafter_for_a_seq2seq_model(tiny_run, tmp_path):
     records = json.loads((tmp_path / "b.json").read_text())
     assert {r["task"] for r in records} == {"kjv2web"} and len(records) == 6
     assert all(r["extra"]["exact_match_vs_ar"] == 1.0 for r in records)
-    assert all(r["extra"]["draft_cost_vs_ar_step"] > 0 for r in records if r["method"] != "ar")
+    # (with copies first, the grafted method may find a copy at every step and never draft)
+    assert all(r["extra"]["draft_cost_vs_ar_step"] > 0 for r in records if r["method"] == "refusion")
     source = "In the beginning God created the heaven and the earth."
     plain = run_cli("generate", "--checkpoint", tiny_run, "--prompt", source, "--max-new-tokens", "20")
     drafted = run_cli("generate", "--checkpoint", out, "--prompt", source, "--max-new-tokens", "20", "--tree", "8")

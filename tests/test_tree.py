@@ -134,29 +134,56 @@ class Fixed:
         return [Draft([]) if done else self.draft for done in state.done]
 
 
+class Asked(Fixed):
+    """A Fixed proposer that keeps the rows it was asked to draft for."""
+
+    def propose(self, state, k, sampling, generator):
+        self.asked = [r for r, done in enumerate(state.done) if not done]
+        return super().propose(state, k, sampling, generator)
+
+
 def test_prompt_lookup_joins_the_drafts():
     seqs = [[1, 2, 3, 4, 1, 2], [5, 6, 7], [1, 2, 3, 1, 2]]  # row 1 has nothing to copy; row 2 is done
     state = DecodeState(seqs=seqs, prompt_lengths=[0, 0, 0], max_new_tokens=8, valid=torch.zeros(3, 1, dtype=bool),
                         hidden=None, write=0, done=[False, False, True])
-    chained = WithPromptLookup(Fixed(Draft([3, 9])), k=3)
+    chained = WithPromptLookup(Fixed(Draft([3, 9])), k=3, trusted=None)
     assert chained.tree == 6 and chained.name == "fixed+prompt-lookup"
     a, b, c = chained.propose(state, 2, SamplingConfig(), None)
     assert paths(a.tokens, a.parents) == {(), (3,), (3, 9), (3, 4), (3, 4, 1)}  # the copy 3 4 1 shares the 3
     assert (b.tokens, b.parents) == ([3, 9], None) and c.tokens == []  # no copy: the draft as it was
     tree = Draft([3, 5, 9], parents=[0, 0, 1])
-    a, _, _ = WithPromptLookup(Fixed(tree), k=2).propose(state, 2, SamplingConfig(), None)
+    a, _, _ = WithPromptLookup(Fixed(tree), k=2, trusted=None).propose(state, 2, SamplingConfig(), None)
     assert paths(a.tokens, a.parents) == paths(tree.tokens, tree.parents) | {(3, 4)}
+    # row 0's copy comes from a 2-token match (1 2): trusted from 2 tokens, it is verified alone
+    inner = Asked(Draft([3, 9]))
+    a, b, c = WithPromptLookup(inner, k=3, trusted=2).propose(state, 2, SamplingConfig(), None)
+    assert (a.tokens, a.parents, b.tokens, c.tokens) == ([3, 4, 1], None, [3, 9], []) and inner.asked == [1]
+    # from 3 tokens, it is not: grafted as before
+    a, _, _ = WithPromptLookup(Asked(Draft([3, 9])), k=3, trusted=3).propose(state, 2, SamplingConfig(), None)
+    assert paths(a.tokens, a.parents) == {(), (3,), (3, 9), (3, 4), (3, 4, 1)}
 
 
+def test_copies_first_skip_the_drafting_pass():
+    """By default any copy is verified alone; the inner proposer is not called when every row has one."""
+    state = DecodeState(seqs=[[1, 2, 3, 1], [4, 5, 4]], prompt_lengths=[0, 0], max_new_tokens=8,
+                        valid=torch.zeros(2, 1, dtype=bool), hidden=None, write=0, done=[False, False])
+    inner = Asked(Draft([7]))
+    inner.asked = None
+    assert [d.tokens for d in WithPromptLookup(inner, k=2).propose(state, 2, SamplingConfig(), None)] == [[2, 3], [5, 4]]
+    assert inner.asked is None
+
+
+@pytest.mark.parametrize("trusted", [None, 1, 3])
 @pytest.mark.parametrize("budget", [0, 6])
-def test_greedy_with_prompt_lookup_equals_ar(budget):
+def test_greedy_with_prompt_lookup_equals_ar(budget, trusted):
     target = random_model(0)
     drafter = noisy_copy(target, 0.3)
     plain = generate(target, PROMPTS, 30, pad_id=0, eos_id=None).tokens
     inner = TreeDrafter(drafter, budget) if budget else Fixed(Draft([1, 2, 3]))
-    out = speculative_generate(target, WithPromptLookup(inner, k=6), PROMPTS, 30, k=6, eos_id=None)
+    out = speculative_generate(target, WithPromptLookup(inner, k=6, trusted=trusted), PROMPTS, 30, k=6, eos_id=None)
     assert out.tokens == plain and out.extra["drafted"] > 0
 
 
-def test_sampled_with_prompt_lookup_follows_the_ar_law():
-    assert_follows_the_ar_law(lambda drafter: WithPromptLookup(TreeDrafter(drafter, 3), k=2))
+@pytest.mark.parametrize("trusted", [None, 1])
+def test_sampled_with_prompt_lookup_follows_the_ar_law(trusted):
+    assert_follows_the_ar_law(lambda drafter: WithPromptLookup(TreeDrafter(drafter, 3), k=2, trusted=trusted))
