@@ -8,6 +8,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable, Collection
 
 import torch
 from tqdm import tqdm
@@ -49,16 +50,37 @@ def _batches(n: int, batch_size: int) -> list[range]:
     return [range(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
 
 
-def _run(method: GenerationMethod, settings, prompts: list[list[int]], batches: list[range], budget, *,
-         generator: torch.Generator | None = None, ignore_eos: bool = False) -> list[GenerationResult]:
-    """`method` over the prompts batch by batch (`budget(rows)` new tokens each), after one warm-up run on the
-    first batch: a pass at a new shape sets up its kernels, which is not what decoding costs. A compiled method
-    warms up on every batch: a prompt or block of a new kind (longer caches, no drafts) makes a graph of its own."""
-    run = dict(generator=generator, ignore_eos=ignore_eos)
-    for rows in batches if getattr(method, "compiled", False) else batches[:1]:
-        method.generate([prompts[i] for i in rows], budget(rows), settings, **run)
-    return [method.generate([prompts[i] for i in rows], budget(rows), settings, **run)
-            for rows in tqdm(batches, desc=method.name, unit="batch", leave=False, dynamic_ncols=True)]
+Runner = Callable[[range], GenerationResult]  # a method over one batch's rows
+
+
+def _interleaved(runners: dict[str, Runner], batches: list[range], warm_every: Collection[str] = ()
+                 ) -> dict[str, list[GenerationResult]]:
+    """Each runner over every batch, interleaved: batch i is run by every runner in turn, the order rotating from
+    batch to batch, so that a host whose speed drifts over minutes (shared cores, clocks: this project's 2-core
+    machine ran the same bench 30 % faster a few minutes later) slows every method alike, not those that happened
+    to run last. Each runner first warms up on the first batch, as a pass at a new shape sets up its kernels, which
+    is not what decoding costs; those in `warm_every` (compiled methods) on every batch, as a prompt or block of a
+    new kind (longer caches, no drafts) makes a graph of its own."""
+    results: dict[str, list[GenerationResult]] = {name: [] for name in runners}
+    names = list(runners)
+    for i, rows in enumerate(tqdm(batches, desc=f"{len(names)} methods", unit="batch", leave=False,
+                                  dynamic_ncols=True)):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            if i == 0 or name in warm_every:
+                runners[name](rows)
+            results[name].append(runners[name](rows))
+    return results
+
+
+def _runner(method: GenerationMethod, settings, prompts: list[list[int]], budget, *,
+            generator: torch.Generator | None = None, ignore_eos: bool = False) -> Runner:
+    """`method` over a batch of the prompts, `budget(rows)` new tokens each."""
+    return lambda rows: method.generate([prompts[i] for i in rows], budget(rows), settings, generator=generator,
+                                        ignore_eos=ignore_eos)
+
+
+def _compiled(methods: dict[str, GenerationMethod | None]) -> set[str]:
+    return {name for name, method in methods.items() if getattr(method, "compiled", False)}
 
 
 def _chosen(results: list[GenerationResult]) -> int:
@@ -240,21 +262,23 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
         domain = domain or domain_name(corpus.name)
     options = Options(domain=domain)
     records = []
+    built = {name: builders[name]() for name in methods}
+    prompts = {name: [method.prompt(t) for t in texts] for name, method in built.items()}
+    runners = {name: _runner(method, method.settings(options), prompts[name],
+                             _budget(prompts[name], new_tokens, seq2seq), ignore_eos=not seq2seq)
+               for name, method in built.items()}
     for bs in batch_sizes:
         batches = _batches(len(texts), bs)
-        reference_outputs = step_s = None
-        for name in methods:
-            method = builders[name]()
-            prompts = [method.prompt(t) for t in texts]
-            results = _run(method, method.settings(options), prompts, batches, _budget(prompts, new_tokens, seq2seq),
-                           ignore_eos=not seq2seq)
+        runs = _interleaved(runners, batches, _compiled(built))
+        reference_outputs = [t for r in runs[methods[0]] for t in r.tokens]
+        step_s = _step_seconds(runs["ar"]) if "ar" in runs else None
+        for name, method in built.items():
+            results = runs[name]
             outs = [t for r in results for t in r.tokens]
-            reference_outputs = reference_outputs or outs
-            step_s = _step_seconds(results) if name == "ar" else step_s
             row_passes = sum(r.passes["target"] * len(r.tokens) for r in results)
             drafted, accepted = (sum(r.extra.get(key, 0) for r in results) for key in ("drafted", "accepted"))
             quality = text_metrics([tokenizer.decode(o).strip() for o in outs], references)
-            records.append(_record(name, Path(corpus.name).name, prompts, results, batch_size=bs, extra={
+            records.append(_record(name, Path(corpus.name).name, prompts[name], results, batch_size=bs, extra={
                 "split": split, "prompts": len(prompts), "compiled": compile,
                 **({"domain": domain} if domain and name.startswith("refusion") else {}),
                 "plan_threshold": plan_threshold if name == "refusion-infill" else None,
@@ -306,30 +330,30 @@ def bench_prompt_set(checkpoint: str, prompt_set: str, n_prompts: int, new_token
     settings = SamplingConfig(temperature=temperature)
     peer = transformers_llama(ar, tokenizer.pad_id) if set(methods) & set(PEER_METHODS) else None
     records = []
+    built = {name: None if name in PEER_METHODS else builders[name]() for name in methods}
+
+    def peer_run(lookup: int) -> Runner:
+        return lambda rows: transformers_generate(peer, [prompts[i] for i in rows], new_tokens, tokenizer.pad_id,
+                                                  eos_id=eos_id, temperature=temperature, prompt_lookup=lookup)
     for bs in batch_sizes:
         batches = _batches(len(prompts), bs)
-        reference, step_s = None, None
-        for name in methods:
-            generator = torch.Generator().manual_seed(seed)
-            torch.manual_seed(seed)  # transformers samples from the global generator
-            if name in PEER_METHODS:
-                lookup = PEER_LOOKUP if name.endswith("prompt-lookup") else 0
-                if lookup and bs > 1:
-                    print(f"note: {name} runs at batch size 1 only (transformers' assisted decoding); skipped at {bs}")
-                    continue
-                run = lambda rows: transformers_generate(peer, [prompts[i] for i in rows], new_tokens,
-                                                         tokenizer.pad_id, eos_id=eos_id, temperature=temperature,
-                                                         prompt_lookup=lookup)
-                run(batches[0])
-                results = [run(rows) for rows in batches]
-                method = None
+        runners = {}
+        for name, method in built.items():
+            lookup = PEER_LOOKUP if name == "transformers+prompt-lookup" else 0
+            if lookup and bs > 1:
+                print(f"note: {name} runs at batch size 1 only (transformers' assisted decoding); skipped at {bs}")
+            elif method is None:
+                runners[name] = peer_run(lookup)
             else:
-                method = builders[name]()
-                results = _run(method, settings, prompts, batches, lambda rows: new_tokens, generator=generator,
-                               ignore_eos=not to_eos)
+                runners[name] = _runner(method, settings, prompts, lambda rows: new_tokens,
+                                        generator=torch.Generator().manual_seed(seed), ignore_eos=not to_eos)
+        torch.manual_seed(seed)  # transformers samples from the global generator
+        runs = _interleaved(runners, batches, _compiled(built))
+        reference = [t for r in runs["ar"] for t in r.tokens] if "ar" in runs else None
+        step_s = _step_seconds(runs["ar"]) if "ar" in runs else None
+        for name, results in runs.items():
+            method = built[name]
             outs = [t for r in results for t in r.tokens]
-            if name == "ar":
-                reference, step_s = outs, _step_seconds(results)
             extra = {"prompt_set": prompt_set, "prompts": len(prompts), "temperature": temperature,
                      "compiled": compile and method is not None,
                      "peer": f"transformers {transformers_version()}" if method is None else None,
@@ -410,18 +434,18 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
         judge_prompts = [judge_tokenizer.encode(t) for t in texts]  # prompt and output alike: plain text
     budget = _budget(ar_prompts, new_tokens, seq2seq)
     records = []
+    # the AR model judges best-of-n samples (but for -self) and continues hybrid's prefix
+    built = {name: DD2Method(model, tokenizer, task, judge=None if name.endswith("-self") else ar,
+                             hybrid=ar if name == "dd2-hybrid" else None) if name.startswith("dd2") else baseline
+             for name in methods}
+    chosen = {name: method.settings(options[name] or Options()) for name, method in built.items()}
     for bs in batch_sizes:
         batches = _batches(len(texts), bs)
-        for name in methods:
-            dd2 = name.startswith("dd2")
-            if not dd2:
-                method = baseline
-            else:  # the AR model judges best-of-n samples (but for -self) and continues hybrid's prefix
-                method = DD2Method(model, tokenizer, task, judge=None if name.endswith("-self") else ar,
-                                   hybrid=ar if name == "dd2-hybrid" else None)
-            settings = method.settings(options[name] or Options())
-            results = _run(method, settings, [method.prompt(t) for t in texts], batches, budget,
-                           generator=torch.Generator().manual_seed(seed), ignore_eos=not seq2seq)
+        runs = _interleaved({name: _runner(method, chosen[name], [method.prompt(t) for t in texts], budget,
+                                           generator=torch.Generator().manual_seed(seed), ignore_eos=not seq2seq)
+                             for name, method in built.items()}, batches)
+        for name, results in runs.items():
+            dd2, method, settings = name.startswith("dd2"), built[name], chosen[name]
             outs = [t for r in results for t in r.tokens]
             steps, taus = ({r.extra.get(key) for r in results} for key in ("steps", "tau"))
             extra = {"split": split, "prompts": len(texts), "steps": steps.pop() if len(steps) == 1 else "adaptive",
