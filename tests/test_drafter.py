@@ -396,6 +396,7 @@ def test_cli_drafter_for_a_seq2seq_model(tiny_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     records = json.loads((tmp_path / "b.json").read_text())
     assert {r["task"] for r in records} == {"kjv2web"} and len(records) == 6
+    assert {r["extra"]["prompts"] for r in records} == {3}
     assert all(r["extra"]["exact_match_vs_ar"] == 1.0 for r in records)
     # (with copies first, the grafted method may find a copy at every step and never draft)
     assert all(r["extra"]["draft_cost_vs_ar_step"] > 0 for r in records if r["method"] == "refusion")

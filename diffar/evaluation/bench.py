@@ -279,7 +279,7 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
             drafted, accepted = (sum(r.extra.get(key, 0) for r in results) for key in ("drafted", "accepted"))
             quality = text_metrics([tokenizer.decode(o).strip() for o in outs], references)
             records.append(_record(name, Path(corpus.name).name, prompts[name], results, batch_size=bs, extra={
-                "split": split, "prompts": len(prompts), "compiled": compile,
+                "split": split, "prompts": len(texts), "compiled": compile,
                 **({"domain": domain} if domain and name.startswith("refusion") else {}),
                 "plan_threshold": plan_threshold if name == "refusion-infill" else None,
                 "plan_slot": plan_slot if name == "refusion-infill" else None,
