@@ -80,6 +80,7 @@ def _runner(method: GenerationMethod, settings, prompts: list[list[int]], budget
 
 
 def _compiled(methods: dict[str, GenerationMethod | None]) -> set[str]:
+    """The methods to warm up on every batch: compiled ones (each new kind of pass makes a graph)."""
     return {name for name, method in methods.items() if getattr(method, "compiled", False)}
 
 
