@@ -24,7 +24,8 @@ def register(subparsers) -> None:
     g.add_argument("--no-echo", action="store_true", help="do not repeat a continuation prompt")
     g.add_argument("--draft", help="speculative decoding: a small AR checkpoint (same tokenizer) drafts tokens")
     g.add_argument("--prompt-lookup", action="store_true",
-                   help="speculative decoding: draft by copying n-grams (refusion: the copies join its drafts)")
+                   help="speculative decoding: draft by copying n-grams (refusion: a copy goes first, the "
+                        "drafter drafts where the text holds none)")
     g.add_argument("--k", type=flags.int_in(1, flags.MAX_DRAFT),
                    help=f"drafts verified per AR pass (1..{flags.MAX_DRAFT}, default 8; refusion: the model's block)")
     g.add_argument("--method", choices=["ar", "refusion", "dd2"], help="default: the checkpoint's own kind")
