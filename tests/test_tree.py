@@ -169,8 +169,8 @@ def test_copies_first_skip_the_drafting_pass():
                         valid=torch.zeros(2, 1, dtype=bool), hidden=None, write=0, done=[False, False])
     inner = Asked(Draft([7]))
     inner.asked = None
-    assert [d.tokens for d in WithPromptLookup(inner, k=2).propose(state, 2, SamplingConfig(), None)] == [[2, 3], [5, 4]]
-    assert inner.asked is None
+    drafts = WithPromptLookup(inner, k=2).propose(state, 2, SamplingConfig(), None)
+    assert [d.tokens for d in drafts] == [[2, 3], [5, 4]] and inner.asked is None
 
 
 @pytest.mark.parametrize("trusted", [None, 1, 3])
