@@ -440,9 +440,10 @@ def bench_dd2(checkpoint: str, ar_checkpoint: str, corpus_name: str | None, n_pr
                              hybrid=ar if name == "dd2-hybrid" else None) if name.startswith("dd2") else baseline
              for name in methods}
     chosen = {name: method.settings(options[name] or Options()) for name, method in built.items()}
-    for bs in batch_sizes:
+    prompts = {name: [method.prompt(t) for t in texts] for name, method in built.items()}
+    for bs in batch_sizes:  # each batch size's runners sample from freshly seeded generators
         batches = _batches(len(texts), bs)
-        runs = _interleaved({name: _runner(method, chosen[name], [method.prompt(t) for t in texts], budget,
+        runs = _interleaved({name: _runner(method, chosen[name], prompts[name], budget,
                                            generator=torch.Generator().manual_seed(seed), ignore_eos=not seq2seq)
                              for name, method in built.items()}, batches)
         for name, results in runs.items():
