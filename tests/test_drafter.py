@@ -16,7 +16,7 @@ from diffar.decoding.refusion import DraftSchedule
 from diffar.decoding.speculative import speculative_generate
 from diffar.errors import DiffarError
 from diffar.generation import Options, load_method
-from diffar.models.drafter import BlockDrafter, DrafterConfig, spread_layers
+from diffar.models.drafter import BlockDrafter, DrafterConfig, on_chain, spread_layers
 from diffar.models.precision import DTYPES, draft_dtype
 from tests.conftest import TINY_TRAIN, assert_clean_error, random_model, run_cli
 from tests.test_speculative import assert_follows_the_ar_law
@@ -112,6 +112,30 @@ def test_decoding_reads_what_training_reads():
     speculative_generate(target, BlockProposer(drafter), [PROMPTS[2]], 3, k=4, eos_id=None,
                          fixed=[{0: int(text[0, s])}])
     torch.testing.assert_close(seen[0][0], trained, atol=1e-4, rtol=1e-4)
+
+
+def test_labels_stop_where_the_text_leaves_the_target_chain():
+    """A slot is labelled while the block's text so far is the target's greedy chain: on the target's own greedy
+    text every slot inside the sequence, on a text that never takes the target's choice the first slot only."""
+    assert on_chain(torch.tensor([[1, 2, 3, 4], [1, 9, 3, 4]]), torch.tensor([[1, 2, 3, 0], [1, 2, 3, 4]])).tolist() \
+        == [[True, True, True, True], [True, True, False, False]]
+    target = random_model(0, vocab=64)
+    own, off = [PROMPTS[2]], [list(PROMPTS[2])]
+    own[0] = own[0] + generate(target, own, 12, eos_id=None, pad_id=0).tokens[0]
+    for _ in range(12):  # each next token one past the target's choice
+        off[0].append((generate(target, off, 1, eos_id=None, pad_id=0).tokens[0][0] + 1) % 64)
+    drafter = drafter_for(target, block=4, anchors=6)
+    for text, labelled in ((own, lambda s: sum(s + j < len(own[0]) - 1 for j in range(3))), (off, lambda s: 1)):
+        seq = torch.tensor(text)
+        tokens, targets = seq[:, :-1], seq[:, 1:].clone()
+        targets[:, :len(PROMPTS[2]) - 1] = IGNORE_INDEX
+        anchors = []
+        multinomial = torch.multinomial
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch, "multinomial", lambda *a, **k: anchors.append(multinomial(*a, **k)) or anchors[-1])
+            with torch.no_grad():
+                logits, _ = drafter(tokens, targets)
+        assert len(logits) == sum(labelled(s) for s in anchors[0].view(-1).tolist())
 
 
 @pytest.mark.parametrize("kl_weight", [0.0, 1.0])
@@ -253,6 +277,32 @@ def test_cli_data_resumes(tiny_drafter, tiny_shakespeare_run):
     assert again.returncode == 0 and "0 shakespeare records made" in again.stdout
     corpus = load_corpus(str(data), "train")
     assert len(corpus.sequences) == 38 and corpus.task == "continuation"  # 1 in 20 held out
+
+
+def test_cli_data_records_text_as_it_is(tiny_shakespeare_run, tmp_path):
+    """`--source text` and `stdlib`: windows of --max-new-tokens + 1 tokens recorded as they are (no model output),
+    resumable like the answered sources; a seq2seq corpus or too few windows is a clean error."""
+    data = tmp_path / "text.jsonl"
+    args = ("distill", "data", "--checkpoint", tiny_shakespeare_run, "--max-new-tokens", "31")
+    made = run_cli(*args, "--source", "text", "--corpus", "shakespeare", "--examples", "5", "--out", data)
+    assert made.returncode == 0 and "5 text records made" in made.stdout, made.stderr
+    _, tokenizer, _ = load_checkpoint(tiny_shakespeare_run)
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    ids = tokenizer.encode(load_corpus("shakespeare", "train").documents[0])
+    assert [r["prompt_ids"] + r["response_ids"] for r in records] == [ids[i * 32:(i + 1) * 32] for i in range(5)]
+    assert not any(r["ended"] for r in records)
+    again = run_cli(*args, "--source", "text", "--corpus", "shakespeare", "--examples", "5", "--out", data)
+    assert "0 text records made" in again.stdout
+    for seed in ("0", "1"):
+        assert run_cli(*args, "--source", "stdlib", "--examples", "3", "--seed", seed,
+                       "--out", tmp_path / f"stdlib{seed}.jsonl").returncode == 0
+    windows = [[tuple(json.loads(line)["response_ids"]) for line in (tmp_path / f"stdlib{seed}.jsonl").open()]
+               for seed in ("0", "1")]
+    assert all(len(w) == 31 for w in windows[0]) and len(set(windows[0])) == 3 and windows[0] != windows[1]
+    assert_clean_error(run_cli(*args, "--source", "text", "--corpus", "kjv2web", "--examples", "2",
+                               "--out", tmp_path / "pairs.jsonl"), "continuation corpus")
+    assert_clean_error(run_cli(*args, "--source", "text", "--corpus", "shakespeare", "--examples", "1000000",
+                               "--out", tmp_path / "many.jsonl"), "fewer than --examples 1000000")
 
 
 def test_cli_checkpoint_holds_the_drafter_only(tiny_drafter, tiny_shakespeare_run):
