@@ -63,8 +63,11 @@ def register(subparsers) -> None:
     da.add_argument("--source", required=True, choices=DATA_SOURCES,
                     help="chat: instructions the model writes itself (Magpie); code: standard-library functions to "
                          "complete; shakespeare: windows of the train split to continue; corpus: the train split of "
-                         "--corpus (a seq2seq corpus's sources, a continuation corpus's windows)")
-    da.add_argument("--corpus", help="--source corpus: the corpus (default: the one the checkpoint was trained on)")
+                         "--corpus (a seq2seq corpus's sources, a continuation corpus's windows); not answered but "
+                         "recorded as they are, in windows of --max-new-tokens + 1: stdlib (Python's standard "
+                         "library's modules, in an order shuffled by --seed), text (a continuation --corpus)")
+    da.add_argument("--corpus", help="--source corpus or text: the corpus (default: the one the checkpoint was "
+                                     "trained on)")
     da.add_argument("--examples", required=True, type=flags.positive_int, help="records of this source")
     da.add_argument("--max-new-tokens", type=flags.positive_int, default=256)
     da.add_argument("--batch-size", type=flags.positive_int, default=8)
@@ -90,8 +93,8 @@ def run_data(args) -> None:
     model, tokenizer, meta = load_for_inference(args.checkpoint, dtype=args.dtype)
     if meta["kind"] != "ar":
         raise DiffarError(f"--checkpoint {args.checkpoint} is a {meta['kind']} checkpoint, not an AR one")
-    if args.corpus and args.source != "corpus":
-        raise DiffarError("--corpus names the prompts of --source corpus")
+    if args.corpus and args.source not in ("corpus", "text"):
+        raise DiffarError("--corpus names the data of --source corpus or text")
     made = self_data(model, tokenizer, args.source, args.examples, Path(args.out), max_new_tokens=args.max_new_tokens,
                      batch_size=args.batch_size, seed=args.seed, corpus=args.corpus or meta["corpus"])
     print(f"{args.out}: {made} {args.source} records made, {args.examples - made} were there already")

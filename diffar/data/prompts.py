@@ -9,6 +9,7 @@ is benchmarked on (`diffar bench refusion --prompts ...`), kept apart.
   benchmarks), no chat template.
 - corpus (training data only): any model's own corpus, e.g. the 7M models' — a seq2seq corpus's sources as the
   model reads them, or windows of a continuation corpus (`corpus_prompts`).
+- stdlib, text (training data only): no prompts but text recorded as it is (training/self_data.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from diffar.errors import DiffarError
 from diffar.tokenizer import Tokenizer
 
 SOURCES = ("chat", "code", "shakespeare")  # benchmark prompt sets, and training data sources
-DATA_SOURCES = (*SOURCES, "corpus")  # training data only
+DATA_SOURCES = (*SOURCES, "corpus", "stdlib", "text")  # training data only (the last two: text as it is)
 CODE_REQUEST = "Complete the following Python function.\n\n```python\n{code}```"
 SHAKESPEARE_TOKENS = 64  # prompt window
 

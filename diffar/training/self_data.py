@@ -4,6 +4,12 @@ regenerated). Prompts come from `data/prompts.py`: instructions the model writes
 library functions to complete, Shakespeare windows, or the model's own training corpus (a seq2seq model's
 sources, a continuation model's windows).
 
+Two sources are text recorded as it is, not answered (`TEXT_SOURCES`): Python's standard library (`stdlib`, its
+modules' source) and any continuation corpus's train split (`text`), in windows of `max_new_tokens` + 1 tokens.
+The drafter learns from such text only where it agrees with the target's greedy chain (models/drafter.on_chain),
+which makes any text a drafter's training data at the cost of one target pass, where a response costs a whole
+generation.
+
 Records are appended to a JSONL file as they are made (fsynced per batch), so an interrupted run resumes where it
 stopped, and one file may gather several sources (record i of each); each holds the exact token ids, which
 `load_corpus` reads back as a token corpus for training:
@@ -15,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -30,6 +38,8 @@ from diffar.tokenizer import Tokenizer
 
 INSTRUCTION_TOKENS = 96  # the longest self-written instruction
 INSTRUCTION_SAMPLING = SamplingConfig(temperature=1.0, top_p=0.95)  # varied, as Magpie samples its queries
+TEXT_SOURCES = ("stdlib", "text")  # recorded as they are
+SHORTEST_WINDOW = 128  # a document's last window, if shorter, is left out
 
 
 def _read(text: str, out: Path, source: str, tag: str) -> dict[int, dict]:
@@ -64,15 +74,50 @@ def _fixed_prompts(source: str, tokenizer: Tokenizer, examples: int, corpus: str
     return prompts
 
 
+def _text_windows(source: str, tokenizer: Tokenizer, examples: int, length: int, seed: int,
+                  corpus: str | None) -> list[list[int]]:
+    """The first `examples` windows of `length` tokens of the source's documents (the standard library's modules
+    in an order shuffled by `seed`, or a continuation corpus's train split), each document cut from its start."""
+    if source == "stdlib":
+        files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+        random.Random(seed).shuffle(files)
+        documents = (_source_text(f) for f in files)
+        where = "Python's standard library"
+    else:
+        if not corpus:
+            raise DiffarError("--source text needs a corpus: this model was imported, name one with --corpus")
+        data = load_corpus(corpus, "train")
+        if data.documents is None:
+            raise DiffarError(f"--source text reads a continuation corpus's text; {corpus} is not one")
+        documents, where = iter(data.documents), f"the train split of {corpus}"
+    out: list[list[int]] = []
+    for doc in documents:
+        ids = tokenizer.encode(doc)
+        out += [ids[a:a + length] for a in range(0, len(ids) - SHORTEST_WINDOW, length)]
+        if len(out) >= examples:
+            return out[:examples]
+    raise DiffarError(f"{where} gives {len(out)} windows of {length} tokens, fewer than --examples {examples}")
+
+
+def _source_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
 def self_data(model: Transformer, tokenizer: Tokenizer, source: str, examples: int, out: Path, *,
               max_new_tokens: int = 256, batch_size: int = 8, seed: int = 0, corpus: str | None = None) -> int:
     """Make (or finish making) `examples` records of `source` in `out`; returns how many were made now.
-    `corpus`: the corpus of source "corpus"."""
+    `corpus`: the corpus of source "corpus" or "text". A text source's records are its windows of
+    `max_new_tokens` + 1 tokens (the first one the prompt), made without the model."""
     tag = tokenizer.sha256[:16]  # what `build_dataset` checks the ids against
     text = out.read_text(encoding="utf-8") if out.exists() else ""
     done = _read(text, out, source, tag)
     todo = [i for i in range(examples) if i not in done]
-    fixed = None if source == "chat" else _fixed_prompts(source, tokenizer, examples, corpus)
+    texts = _text_windows(source, tokenizer, examples, max_new_tokens + 1, seed, corpus) \
+        if source in TEXT_SOURCES and todo else None
+    fixed = None if source == "chat" or texts is not None else _fixed_prompts(source, tokenizer, examples, corpus)
     prefix = chat_prefix(tokenizer) if source == "chat" else None
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a", encoding="utf-8") as f, tqdm(total=examples, initial=examples - len(todo), desc=source,
@@ -81,15 +126,19 @@ def self_data(model: Transformer, tokenizer: Tokenizer, source: str, examples: i
             f.write("\n")  # end a line cut short by an interruption
         for start in range(0, len(todo), batch_size):
             rows = todo[start:start + batch_size]
-            if fixed is None:  # Magpie: the model writes the user's message, seeded by the batch's first record
-                g = torch.Generator().manual_seed(seed * 1_000_003 + rows[0])
-                asked = generate(model, [prefix] * len(rows), INSTRUCTION_TOKENS, pad_id=tokenizer.pad_id,
-                                 eos_id=tokenizer.eos_id, sampling=INSTRUCTION_SAMPLING, generator=g)
-                prompts = [chat_prompt(tokenizer, tokenizer.decode(ids).strip()) for ids in asked.tokens]
+            if texts is not None:
+                made = [(texts[i][:1], texts[i][1:], False) for i in rows]
             else:
-                prompts = [fixed[i] for i in rows]
-            answers = generate(model, prompts, max_new_tokens, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id)
-            for i, prompt, response, ended in zip(rows, prompts, answers.tokens, answers.ended):
+                if fixed is None:  # Magpie: the model writes the user's message, seeded by the batch's first record
+                    g = torch.Generator().manual_seed(seed * 1_000_003 + rows[0])
+                    asked = generate(model, [prefix] * len(rows), INSTRUCTION_TOKENS, pad_id=tokenizer.pad_id,
+                                     eos_id=tokenizer.eos_id, sampling=INSTRUCTION_SAMPLING, generator=g)
+                    prompts = [chat_prompt(tokenizer, tokenizer.decode(ids).strip()) for ids in asked.tokens]
+                else:
+                    prompts = [fixed[i] for i in rows]
+                answers = generate(model, prompts, max_new_tokens, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id)
+                made = list(zip(prompts, answers.tokens, answers.ended))
+            for i, (prompt, response, ended) in zip(rows, made):
                 f.write(json.dumps({"i": i, "source": source, "prompt_ids": prompt, "response_ids": response,
                                     "ended": ended, "eos_id": tokenizer.eos_id, "tokenizer": tag}) + "\n")
             f.flush()
