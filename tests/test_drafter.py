@@ -300,9 +300,28 @@ def test_cli_data_records_text_as_it_is(tiny_shakespeare_run, tmp_path):
                for seed in ("0", "1")]
     assert all(len(w) == 31 for w in windows[0]) and len(set(windows[0])) == 3 and windows[0] != windows[1]
     assert_clean_error(run_cli(*args, "--source", "text", "--corpus", "kjv2web", "--examples", "2",
-                               "--out", tmp_path / "pairs.jsonl"), "continuation corpus")
+                               "--out", tmp_path / "pairs.jsonl"), "holds source/target pairs")
     assert_clean_error(run_cli(*args, "--source", "text", "--corpus", "shakespeare", "--examples", "1000000",
                                "--out", tmp_path / "many.jsonl"), "fewer than --examples 1000000")
+
+
+def test_stdlib_windows_leave_installed_packages_out(tokenizer_path, tmp_path, monkeypatch):
+    """`--source stdlib` reads the standard library's folder but not the packages installed inside it."""
+    import sysconfig
+
+    from diffar.tokenizer import Tokenizer
+    from diffar.training.self_data import _text_windows
+
+    (tmp_path / "site-packages").mkdir()
+    (tmp_path / "mod.py").write_text("alpha = 1\n" * 200)
+    (tmp_path / "site-packages" / "pkg.py").write_text("beta = 2\n" * 200)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    tokenizer = Tokenizer.load(tokenizer_path)
+    n = len(tokenizer.encode((tmp_path / "mod.py").read_text())) // 64  # the module's whole windows
+    windows = _text_windows("stdlib", tokenizer, n, 64, 0, None)
+    assert n >= 3 and all("alpha" in tokenizer.decode(w) for w in windows)
+    with pytest.raises(DiffarError, match=f"gives {n} windows of 64 tokens, fewer than --examples {n + 1}"):
+        _text_windows("stdlib", tokenizer, n + 1, 64, 0, None)
 
 
 def test_cli_checkpoint_holds_the_drafter_only(tiny_drafter, tiny_shakespeare_run):

@@ -18,8 +18,8 @@ Training (`forward`): the frozen target runs the sequence once (`teacher`: its f
 after each position; or they come precomputed, training/feature_cache.py); `anchors` random positions per
 sequence each start a block, which sees the context before its anchor only; the label of slot j is the target's
 own greedy choice there (what verification will accept), up to the first slot where the text leaves the target's
-greedy chain (`on_chain`: so any text teaches it, not only the target's own), and slot j's cross-entropy is weighted by
-exp(-(j - 1) / loss_decay): acceptance is a prefix, so early slots matter most (DFlash's decaying loss).
+greedy chain (`on_chain`: so any text teaches it, not only the target's own), and slot j's cross-entropy is
+weighted by exp(-(j - 1) / loss_decay): acceptance is a prefix, so early slots matter most (DFlash's decaying loss).
 With `kl_weight` > 0 each slot also learns the target's distribution there, not only its argmax: KL from the
 target's TEACHER_TOP likeliest tokens (renormalised) to the drafter, weighted alike. Its runners-up are what a
 tree verifies next to the argmax, so the drafter's second choices should be the target's.
@@ -98,9 +98,9 @@ def on_chain(text: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     label is the target's choice after that chain. On the target's own greedy text (`distill data`) the chain
     is the text and every slot is labelled; on any other text the slots after the first disagreement would
     learn what the target says after tokens it would not have written, and are left out: any text then
-    teaches the drafter exactly, at the cost of the labels past a disagreement (on Python's standard library
-    SmolLM2-135M agrees with 61 % of the tokens: 3.6 labelled slots of 15 per block)."""
-    agree = text == greedy
+    teaches the drafter exactly, at the cost of the labels past a disagreement (on Python source SmolLM2-135M
+    agrees with 61 % of the tokens: 3.6 labelled slots of 15 per block)."""
+    agree = (text == greedy) & (text != IGNORE_INDEX)  # no output there: no chain through it
     return torch.cat([torch.ones_like(agree[:, :1]), agree[:, :-1].long().cumprod(1).bool()], dim=1)
 
 

@@ -39,7 +39,8 @@ from diffar.tokenizer import Tokenizer
 INSTRUCTION_TOKENS = 96  # the longest self-written instruction
 INSTRUCTION_SAMPLING = SamplingConfig(temperature=1.0, top_p=0.95)  # varied, as Magpie samples its queries
 TEXT_SOURCES = ("stdlib", "text")  # recorded as they are
-SHORTEST_WINDOW = 128  # a document's last window, if shorter, is left out
+SHORTEST_WINDOW = 128  # a document's last window, if shorter (and shorter than a whole one), is left out
+PACKAGES = {"site-packages", "dist-packages"}  # under the standard library's folder, but installed, not standard
 
 
 def _read(text: str, out: Path, source: str, tag: str) -> dict[int, dict]:
@@ -79,7 +80,8 @@ def _text_windows(source: str, tokenizer: Tokenizer, examples: int, length: int,
     """The first `examples` windows of `length` tokens of the source's documents (the standard library's modules
     in an order shuffled by `seed`, or a continuation corpus's train split), each document cut from its start."""
     if source == "stdlib":
-        files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = [f for f in sorted(root.rglob("*.py")) if not PACKAGES & set(f.relative_to(root).parts)]
         random.Random(seed).shuffle(files)
         documents = (_source_text(f) for f in files)
         where = "Python's standard library"
@@ -88,12 +90,13 @@ def _text_windows(source: str, tokenizer: Tokenizer, examples: int, length: int,
             raise DiffarError("--source text needs a corpus: this model was imported, name one with --corpus")
         data = load_corpus(corpus, "train")
         if data.documents is None:
-            raise DiffarError(f"--source text reads a continuation corpus's text; {corpus} is not one")
+            held = "token ids" if data.sequences is not None else "source/target pairs"
+            raise DiffarError(f"--source text reads a continuation corpus's text; {corpus} holds {held}")
         documents, where = iter(data.documents), f"the train split of {corpus}"
     out: list[list[int]] = []
     for doc in documents:
         ids = tokenizer.encode(doc)
-        out += [ids[a:a + length] for a in range(0, len(ids) - SHORTEST_WINDOW, length)]
+        out += [ids[a:a + length] for a in range(0, len(ids) - min(length, SHORTEST_WINDOW) + 1, length)]
         if len(out) >= examples:
             return out[:examples]
     raise DiffarError(f"{where} gives {len(out)} windows of {length} tokens, fewer than --examples {examples}")
