@@ -293,12 +293,19 @@ def test_cli_data_records_text_as_it_is(tiny_shakespeare_run, tmp_path):
     assert not any(r["ended"] for r in records)
     again = run_cli(*args, "--source", "text", "--corpus", "shakespeare", "--examples", "5", "--out", data)
     assert "0 text records made" in again.stdout
+    before = data.read_bytes()  # records of other windows are not the ones asked for: refused, the file kept
+    assert_clean_error(run_cli("distill", "data", "--checkpoint", tiny_shakespeare_run, "--max-new-tokens", "15",
+                               "--source", "text", "--corpus", "shakespeare", "--examples", "8", "--out", data),
+                       "made with max_new_tokens 31 (now 15)")
+    assert data.read_bytes() == before
     for seed in ("0", "1"):
         assert run_cli(*args, "--source", "stdlib", "--examples", "3", "--seed", seed,
                        "--out", tmp_path / f"stdlib{seed}.jsonl").returncode == 0
     windows = [[tuple(json.loads(line)["response_ids"]) for line in (tmp_path / f"stdlib{seed}.jsonl").open()]
                for seed in ("0", "1")]
     assert all(len(w) == 31 for w in windows[0]) and len(set(windows[0])) == 3 and windows[0] != windows[1]
+    assert_clean_error(run_cli(*args, "--source", "stdlib", "--examples", "4", "--seed", "1",
+                               "--out", tmp_path / "stdlib0.jsonl"), "made with seed 0 (now 1)")
     assert_clean_error(run_cli(*args, "--source", "text", "--corpus", "kjv2web", "--examples", "2",
                                "--out", tmp_path / "pairs.jsonl"), "holds source/target pairs")
     assert_clean_error(run_cli(*args, "--source", "text", "--corpus", "shakespeare", "--examples", "1000000",

@@ -12,9 +12,10 @@ generation.
 
 Records are appended to a JSONL file as they are made (fsynced per batch), so an interrupted run resumes where it
 stopped, and one file may gather several sources (record i of each); each holds the exact token ids, which
-`load_corpus` reads back as a token corpus for training:
+`load_corpus` reads back as a token corpus for training, and the settings it was made with, which a resumed run
+must repeat (record i made under other settings would be another record):
     {"i": 0, "source": "chat", "prompt_ids": [...], "response_ids": [...], "ended": true, "eos_id": 2,
-     "tokenizer": "<sha256 of the tokenizer, first 16 digits>"}
+     "tokenizer": "<sha256 of the tokenizer, first 16 digits>", "made_with": {"max_new_tokens": 256, "seed": 0}}
 """
 
 from __future__ import annotations
@@ -43,8 +44,21 @@ SHORTEST_WINDOW = 128  # a document's last window, if shorter (and shorter than 
 PACKAGES = {"site-packages", "dist-packages"}  # under the standard library's folder, but installed, not standard
 
 
-def _read(text: str, out: Path, source: str, tag: str) -> dict[int, dict]:
-    """The records of `source` already in `out` (its `text`), by index."""
+def _settings(source: str, max_new_tokens: int, seed: int, corpus: str | None) -> dict:
+    """What a record of `source` depends on besides its index (the model aside, which its tokenizer tag checks)."""
+    made_with: dict = {"max_new_tokens": max_new_tokens}
+    if source in ("chat", "stdlib"):
+        made_with["seed"] = seed  # the self-written instructions; the order of the modules
+    if source == "stdlib":
+        made_with["python"] = sysconfig.get_python_version()  # whose standard library
+    if source in ("corpus", "text"):
+        made_with["corpus"] = corpus
+    return made_with
+
+
+def _read(text: str, out: Path, source: str, tag: str, made_with: dict) -> dict[int, dict]:
+    """The records of `source` already in `out` (its `text`), by index. Records of files written before the
+    settings were recorded (no "made_with") are taken as they are."""
     done: dict[int, dict] = {}
     for line in text.splitlines():
         try:
@@ -54,8 +68,14 @@ def _read(text: str, out: Path, source: str, tag: str) -> dict[int, dict]:
             continue  # a line cut short by an interruption: made again
         if record.get("tokenizer") != tag:
             raise DiffarError(f"{out} holds another model's data; remove it or write elsewhere")
-        if record.get("source") == source:
-            done[i] = record
+        if record.get("source") != source:
+            continue
+        theirs = record.get("made_with", made_with)
+        if theirs != made_with:
+            differ = ", ".join(f"{k} {theirs.get(k)} (now {v})" for k, v in made_with.items() if theirs.get(k) != v)
+            raise DiffarError(f"{out} holds {source} records made with {differ}; repeat those settings to finish "
+                              f"them, or write elsewhere")
+        done[i] = record
     return done
 
 
@@ -116,7 +136,8 @@ def self_data(model: Transformer, tokenizer: Tokenizer, source: str, examples: i
     `max_new_tokens` + 1 tokens (the first one the prompt), made without the model."""
     tag = tokenizer.sha256[:16]  # what `build_dataset` checks the ids against
     text = out.read_text(encoding="utf-8") if out.exists() else ""
-    done = _read(text, out, source, tag)
+    made_with = _settings(source, max_new_tokens, seed, corpus)
+    done = _read(text, out, source, tag, made_with)
     todo = [i for i in range(examples) if i not in done]
     texts = _text_windows(source, tokenizer, examples, max_new_tokens + 1, seed, corpus) \
         if source in TEXT_SOURCES and todo else None
@@ -143,7 +164,8 @@ def self_data(model: Transformer, tokenizer: Tokenizer, source: str, examples: i
                 made = list(zip(prompts, answers.tokens, answers.ended))
             for i, (prompt, response, ended) in zip(rows, made):
                 f.write(json.dumps({"i": i, "source": source, "prompt_ids": prompt, "response_ids": response,
-                                    "ended": ended, "eos_id": tokenizer.eos_id, "tokenizer": tag}) + "\n")
+                                    "ended": ended, "eos_id": tokenizer.eos_id, "tokenizer": tag,
+                                    "made_with": made_with}) + "\n")
             f.flush()
             os.fsync(f.fileno())
             bar.update(len(rows))
