@@ -57,8 +57,8 @@ def register(subparsers) -> None:
     dd.set_defaults(func=run_dd2)
 
     da = models.add_parser("data", help="a model's own greedy responses, as token ids (a drafter's training data)",
-                           parents=[flags.out("a JSONL file; records are appended, a finished source is reused (resumed "
-                                              "with the same settings)"),
+                           parents=[flags.out("a JSONL file; records are appended, a finished source is reused "
+                                              "(resumed with the same settings)"),
                                     flags.seed(), flags.threads()])
     da.add_argument("--checkpoint", required=True, help="the AR model (a chat model for --source chat and code)")
     da.add_argument("--source", required=True, choices=DATA_SOURCES,
