@@ -31,7 +31,8 @@ def test_cuda_without_cuda_is_a_clear_error(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 @pytest.mark.parametrize("command", [("generate", "--prompt", "And God said"), ("bench", "ar", "--out", "x.json"),
-                                     ("chat",)])
+                                     ("chat",), ("distill", "data", "--source", "corpus", "--examples", "1",
+                                                 "--out", "x.jsonl")])
 def test_cli_device_cuda_without_cuda(command, tmp_path):
     proc = run_cli(*command, "--checkpoint", SHIPPED, "--device", "cuda", env={"HOME": str(tmp_path)})
     assert_clean_error(proc, "no CUDA device")

@@ -59,7 +59,7 @@ def register(subparsers) -> None:
     da = models.add_parser("data", help="a model's own greedy responses, as token ids (a drafter's training data)",
                            parents=[flags.out("a JSONL file; records are appended, a finished source is reused "
                                               "(resumed with the same settings)"),
-                                    flags.seed(), flags.threads()])
+                                    flags.seed(), flags.device(), flags.threads()])
     da.add_argument("--checkpoint", required=True, help="the AR model (a chat model for --source chat and code)")
     da.add_argument("--source", required=True, choices=DATA_SOURCES,
                     help="chat: instructions the model writes itself (Magpie); code: standard-library functions to "
@@ -91,7 +91,7 @@ def run_dd2(args) -> None:
 
 
 def run_data(args) -> None:
-    model, tokenizer, meta = load_for_inference(args.checkpoint, dtype=args.dtype)
+    model, tokenizer, meta = load_for_inference(args.checkpoint, dtype=args.dtype, device=args.device)
     if meta["kind"] != "ar":
         raise DiffarError(f"--checkpoint {args.checkpoint} is a {meta['kind']} checkpoint, not an AR one")
     if args.corpus and args.source not in ("corpus", "text"):
