@@ -343,15 +343,15 @@ def test_cli_checkpoint_holds_the_drafter_only(tiny_drafter, tiny_shakespeare_ru
 
 
 def test_cli_generate_equals_ar(tiny_drafter, tiny_shakespeare_run):
-    _, out = tiny_drafter
+    data, out = tiny_drafter
     prompt = "ROMEO.\nBut soft, what light"
     plain = run_cli("generate", "--checkpoint", tiny_shakespeare_run, "--prompt", prompt, "--max-new-tokens", "40")
-    for extra in ([], ["--tree", "8"], ["--tree", "8", "--prompt-lookup"]):
+    for extra in ([], ["--tree", "8"], ["--tree", "8", "--prompt-lookup"], ["--prompt-lookup", "--datastore", data]):
         drafted = run_cli("generate", "--checkpoint", out, "--prompt", prompt, "--max-new-tokens", "40", *extra)
         assert drafted.returncode == 0, drafted.stderr
         assert drafted.stdout == plain.stdout
         assert "drafter passes" in drafted.stderr
-    assert "refusion-tree+prompt-lookup" in drafted.stderr
+    assert "[refusion+prompt-lookup+datastore]" in drafted.stderr
 
 
 def test_compiled_drafting_is_greedy_ar(tiny_drafter, tiny_shakespeare_run):
@@ -436,7 +436,8 @@ def test_cli_bench_prompt_set(tiny_drafter, tokenizer_path, tmp_path):
     proc = run_cli("bench", "refusion", "--checkpoint", out, "--set", "shakespeare", "--prompts", "2",
                    "--new-tokens", "16", "--batch-sizes", "1", "2", "--methods", "ar", "refusion", "refusion-tree",
                    "refusion-tree+prompt-lookup", "ar+prompt-lookup", "ar+draft", "transformers",
-                   "transformers+prompt-lookup", "--draft", tmp_path / "draft", "--out", tmp_path / "b.json")
+                   "transformers+prompt-lookup", "ar+prompt-lookup+datastore", "refusion+prompt-lookup+datastore",
+                   "--datastore", data, "--draft", tmp_path / "draft", "--out", tmp_path / "b.json")
     assert proc.returncode == 0, proc.stderr
     records = json.loads((tmp_path / "b.json").read_text())
     by = {(r["method"], r["batch_size"]): r for r in records}
@@ -447,6 +448,7 @@ def test_cli_bench_prompt_set(tiny_drafter, tokenizer_path, tmp_path):
             assert r["extra"]["exact_match_vs_ar"] == 1.0
     assert by["refusion", 1]["extra"]["draft_cost_vs_ar_step"] > 0 and ("ar+draft", 2) in by
     assert by["refusion-tree", 2]["extra"]["tokens_per_ar_pass"] >= 1.0
+    assert ("ar+prompt-lookup+datastore", 2) in by and ("refusion+prompt-lookup+datastore", 2) in by
 
 
 def test_cli_drafter_for_a_seq2seq_model(tiny_run, tmp_path):

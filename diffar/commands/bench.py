@@ -64,6 +64,11 @@ def register(subparsers) -> None:
     verifying.add_argument("--k", type=flags.int_in(1, flags.MAX_DRAFT), default=8, help="draft length (block size)")
     verifying.add_argument("--compile", action="store_true",
                            help="compile every diffar method's passes (plain AR's too; in the warm-up round)")
+    verifying.add_argument("--datastore", metavar="CORPUS",
+                           help="the +datastore methods (ar+prompt-lookup+datastore, refusion+prompt-lookup+"
+                                "datastore, refusion-tree+prompt-lookup+datastore): prompt lookup also copies from "
+                                "this corpus's train split, e.g. the `distill data` records of the model's own "
+                                "responses")
     lossless = [_prompts(32, [1]), verifying, json_out, threads]
     bsp = methods.add_parser("speculative", help="AR vs lossless prompt-lookup and draft-model decoding",
                              parents=lossless)
@@ -155,7 +160,8 @@ def _lossless(args, **infill) -> None:
 
     _draft_peer(args)
     records = bench_lossless(args.checkpoint, args.draft, args.corpus, args.prompts, args.new_tokens, args.k,
-                             args.batch_sizes, args.methods, split=args.split, compile=args.compile, **infill)
+                             args.batch_sizes, args.methods, split=args.split, compile=args.compile,
+                             datastore=args.datastore, **infill)
     _report(records, args)
 
 
@@ -176,7 +182,7 @@ def run_refusion(args) -> None:
     records = bench_prompt_set(args.checkpoint, args.set, args.prompts, args.new_tokens, args.batch_sizes,
                                args.methods, draft=args.draft if "ar+draft" in args.methods else None, k=args.k,
                                temperature=args.temperature, dtype=args.dtype, seed=args.seed, data=args.corpus,
-                               compile=args.compile)
+                               compile=args.compile, datastore=args.datastore)
     _report(records, args)
 
 

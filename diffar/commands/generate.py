@@ -26,6 +26,9 @@ def register(subparsers) -> None:
     g.add_argument("--prompt-lookup", action="store_true",
                    help="speculative decoding: draft by copying n-grams (refusion: a copy goes first, the "
                         "drafter drafts where the text holds none)")
+    g.add_argument("--datastore", help="with --prompt-lookup: a corpus whose train split it also copies from "
+                                       "where the text holds no copy, e.g. `distill data` records of this model's "
+                                       "own responses (retrieval-based speculative decoding)")
     g.add_argument("--k", type=flags.int_in(1, flags.MAX_DRAFT),
                    help=f"drafts verified per AR pass (1..{flags.MAX_DRAFT}, default 8; refusion: the model's block)")
     g.add_argument("--method", choices=["ar", "refusion", "dd2"], help="default: the checkpoint's own kind")
@@ -150,7 +153,7 @@ def run(args) -> None:
         if name == "refusion" else None
     flags.announce_compile(args)
     method = load_method(args.checkpoint, name, dtype=args.dtype, tokenizer=args.tokenizer, draft=args.draft,
-                         prompt_lookup=args.prompt_lookup, k=args.k, schedule=schedule, judge=args.judge,
+                         prompt_lookup=args.prompt_lookup, datastore=args.datastore, k=args.k, schedule=schedule, judge=args.judge,
                          hybrid=args.hybrid, use_cache=not args.no_cache, device=args.device, compile=args.compile)
     settings = method.settings(options)
     ids = chat_ids(method, [{"role": "user", "content": text}], args.checkpoint) if args.chat else method.prompt(text)

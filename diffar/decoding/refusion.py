@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
+from diffar.decoding.datastore import Datastore
 from diffar.decoding.sampling import SamplingConfig, probabilities
 from diffar.decoding.result import GenerationResult
-from diffar.decoding.speculative import DecodeState, Draft, WithPromptLookup, speculative_generate
+from diffar.decoding.speculative import DecodeState, Draft, PromptLookup, WithPromptLookup, speculative_generate
 from diffar.decoding.tree import best_first
 from diffar.diffusion.scheduler import DDIMScheduler
 from diffar.errors import DiffarError
@@ -199,16 +200,17 @@ def refusion_generate(model: RefusionModel, prompts: list[list[int]], max_new_to
                       sampling: SamplingConfig = SamplingConfig(),
                       generator: torch.Generator | None = None, on_token=None,
                       adaptive: bool = True, fixed: list[dict[int, int]] | None = None,
-                      domain: int | None = None) -> GenerationResult:
+                      domain: int | None = None, datastore: Datastore | None = None) -> GenerationResult:
     """ReFusion decoding of a batch, lossless unless `schedule.plan_threshold` is set; k (default: the model's
     block) caps the drafts verified per AR pass. `on_token`, `fixed` (pinned tokens) and `pad_id` as in
-    `speculative_generate`; `domain`: the domain the stream drafts for (an index into its domains)."""
+    `speculative_generate`; `domain`: the domain the stream drafts for (an index into its domains); `datastore`:
+    where `schedule.lookup`'s prompt lookup also copies from."""
     k = model.config.block if k is None else k
     if k > model.config.block:
         raise DiffarError(f"block size {k} exceeds the {model.config.block} tokens this model drafts per pass")
     proposer = DiffusionDrafter(model, schedule, prompt_words, domain)
     if schedule.lookup:
-        proposer = WithPromptLookup(proposer, k)
+        proposer = WithPromptLookup(proposer, k, PromptLookup(datastore=datastore))
     return speculative_generate(model.ar, proposer, prompts, max_new_tokens, k=k, eos_id=eos_id, pad_id=pad_id,
                                 sampling=sampling, generator=generator, on_token=on_token, adaptive=adaptive,
                                 fixed=fixed)

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from diffar.decoding.ar import Batch, TokenCallback, check_lengths
+from diffar.decoding.datastore import Datastore
 from diffar.decoding.result import AR, DRAFT, PINNED, GenerationResult
 from diffar.decoding.sampling import SamplingConfig, probabilities, sample_next
 from diffar.decoding.tree import ancestor_mask, chain, depths, graft, walk
@@ -194,14 +195,15 @@ class DraftModel:
 
 
 class PromptLookup:
-    """Drafts by copying what followed the latest earlier occurrence of the text's last n-gram."""
+    """Drafts by copying what followed the latest earlier occurrence of the text's last n-gram; where the text
+    holds none, from a `datastore` of other text when there is one (decoding/datastore.py)."""
 
-    name = "prompt-lookup"
     passes = 0  # drafting costs no forward pass
     needs_hidden, taps, tree = False, (), 0
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, datastore: Datastore | None = None):
+        self.max_ngram, self.min_ngram, self.datastore = max_ngram, min_ngram, datastore
+        self.name = "prompt-lookup+datastore" if datastore else "prompt-lookup"
 
     def start(self, batch_size: int, max_len: int) -> None:
         pass
@@ -211,13 +213,13 @@ class PromptLookup:
 
     def lookup(self, seq: list[int], k: int) -> tuple[int, list[int]]:
         """(n, the up to k tokens that followed the latest earlier occurrence of the text's last n tokens), n the
-        longest n-gram that has one; (0, []) if none does."""
+        longest n-gram that has one; else the datastore's copy; (0, []) if neither has one."""
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             tail = seq[-n:]
             for start in range(len(seq) - n - 1, -1, -1):
                 if seq[start:start + n] == tail:
                     return n, seq[start + n:start + n + k]
-        return 0, []
+        return self.datastore.copy(seq, k) if self.datastore else (0, [])
 
 
 TRUSTED_NGRAM = 1  # WithPromptLookup: a copy found from a match this long is verified alone
@@ -241,7 +243,7 @@ class WithPromptLookup:
     def __init__(self, inner: Proposer, k: int = 8, lookup: PromptLookup | None = None,
                  trusted: int | None = TRUSTED_NGRAM):
         self.inner, self.k, self.lookup, self.trusted = inner, k, lookup or PromptLookup(), trusted
-        self.name = f"{inner.name}+prompt-lookup"
+        self.name = f"{inner.name}+{self.lookup.name}"
         self.needs_hidden, self.taps = inner.needs_hidden, inner.taps
         self.tree = max(inner.tree, k) + k  # nodes: the inner tree (or a chain) and the copy
 

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from diffar.checkpoint import ar_stream, load_ar, load_for_inference, read_meta, target_path
 from diffar.data.corpora import checkpoint_corpus, domain_name
+from diffar.decoding.datastore import Datastore, load_datastore
 from diffar.decoding.refusion import DraftSchedule
 from diffar.decoding.result import GenerationResult
 from diffar.decoding.speculative import DraftModel, PromptLookup
@@ -204,17 +205,30 @@ def _budget(prompts: list[list[int]], new_tokens: int, seq2seq: bool):
 TREE_NODES = 24  # refusion-tree's node budget
 
 
+def _datastore(path: str | None, methods: list[str], tokenizer) -> Datastore | None:
+    """The datastore the `+datastore` methods copy from, loaded when one of them runs."""
+    wanted = any(m.endswith("+datastore") for m in methods)
+    if path and not wanted:
+        raise DiffarError("--datastore serves the +datastore methods (e.g. ar+prompt-lookup+datastore): add one")
+    return load_datastore(path, tokenizer) if path and wanted else None
+
+
 def lossless_methods(model, tokenizer, task: str, draft_model, k: int, plan_threshold: float,
-                     plan_slot: int, compiled: bool = False) -> dict:
+                     plan_slot: int, compiled: bool = False, datastore: Datastore | None = None) -> dict:
     """The lossless bench's methods by name, all verifying with the same AR weights; `compiled`: their passes are
-    (generation.compile_models)."""
+    (generation.compile_models); the `+datastore` ones: prompt lookup also copies from `datastore`."""
     ar = ar_stream(model)
     # ReFusion drafts `block` tokens a pass; a block drafter verifies its whole block (the anchor aside)
     k_refusion = min(k, model.config.block) if isinstance(model, RefusionModel) else None
 
-    def refusion(**schedule):
+    def refusion(store: bool = False, **schedule):
         return lambda: RefusionMethod(model, tokenizer, task, k=k_refusion, schedule=DraftSchedule(**schedule),
-                                      compiled=compiled)
+                                      compiled=compiled, datastore=stored() if store else None)
+
+    def stored() -> Datastore:
+        if datastore is None:
+            raise DiffarError("the +datastore methods copy from a datastore: pass --datastore CORPUS")
+        return datastore
     return {
         "ar": lambda: ARMethod(ar, tokenizer, task, compiled=compiled),
         "ar+prompt-lookup": lambda: ARMethod(ar, tokenizer, task, proposer=PromptLookup(), k=k, compiled=compiled),
@@ -225,12 +239,17 @@ def lossless_methods(model, tokenizer, task: str, draft_model, k: int, plan_thre
         "refusion-tree": refusion(tree=TREE_NODES),
         "refusion+prompt-lookup": refusion(lookup=True),
         "refusion-tree+prompt-lookup": refusion(tree=TREE_NODES, lookup=True),
+        "ar+prompt-lookup+datastore": lambda: ARMethod(ar, tokenizer, task, proposer=PromptLookup(datastore=stored()),
+                                                       k=k, compiled=compiled),
+        "refusion+prompt-lookup+datastore": refusion(store=True, lookup=True),
+        "refusion-tree+prompt-lookup+datastore": refusion(store=True, tree=TREE_NODES, lookup=True),
     }
 
 
 def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, n_prompts: int, new_tokens: int,
                    k: int, batch_sizes: list[int], methods: list[str], plan_threshold: float = 0.9, plan_slot: int = 1,
-                   split: str = "test", domain: str | None = None, compile: bool = False) -> list[BenchRecord]:
+                   split: str = "test", domain: str | None = None, compile: bool = False,
+                   datastore: str | None = None) -> list[BenchRecord]:
     """Greedy AR against the draft-and-verify methods, all verifying with the same AR weights (a ReFusion
     checkpoint's AR stream, a block drafter's target, or an AR checkpoint), on the same prompts in the same
     batches, from `split` (valid when comparing training choices; a drafter's prompts come from its target's
@@ -240,13 +259,14 @@ def bench_lossless(checkpoint: str, draft: str | None, corpus_name: str | None, 
 
     seq2seq runs stop at eos (`_budget`); continuation runs make exactly `new_tokens` (eos ignored). Outputs
     are scored against the references (the real continuation, for continuation) and compared with plain
-    AR's token for token. `compile`: as in `bench_prompt_set`.
+    AR's token for token. `compile` and `datastore`: as in `bench_prompt_set`.
     """
     model, tokenizer, meta = load_for_inference(checkpoint)
     if any(m.startswith("refusion") for m in methods) and meta["kind"] not in ("refusion", "drafter"):
         raise DiffarError(f"{checkpoint} is an AR checkpoint; the refusion methods need a ReFusion or drafter one")
     draft_model = load_ar(draft, tokenizer, "--draft", dtype=draft_dtype("fp32")) if "ar+draft" in methods else None
-    builders = lossless_methods(model, tokenizer, meta["task"], draft_model, k, plan_threshold, plan_slot, compile)
+    builders = lossless_methods(model, tokenizer, meta["task"], draft_model, k, plan_threshold, plan_slot, compile,
+                                _datastore(datastore, methods, tokenizer))
     unknown = set(methods) - set(builders)
     if unknown:
         raise DiffarError(f"unknown method(s) {', '.join(sorted(unknown))}; choose from {', '.join(builders)}")
@@ -301,7 +321,7 @@ PEER_LOOKUP = 10  # transformers+prompt-lookup's drafted tokens (its documented 
 def bench_prompt_set(checkpoint: str, prompt_set: str, n_prompts: int, new_tokens: int, batch_sizes: list[int],
                      methods: list[str], *, draft: str | None = None, k: int = 8, temperature: float = 0.0,
                      dtype: str = "bf16", seed: int = 0, data: str | None = None,
-                     compile: bool = False) -> list[BenchRecord]:
+                     compile: bool = False, datastore: str | None = None) -> list[BenchRecord]:
     """The lossless methods on a pretrained chat model's prompt sets (data/prompts.py: code = HumanEval, chat,
     shakespeare), against the peers its users run on the same weights in the same run: transformers' `generate`
     and its prompt lookup (batch 1 only, as transformers allows). Chat and code stop at eos (at most
@@ -311,13 +331,15 @@ def bench_prompt_set(checkpoint: str, prompt_set: str, n_prompts: int, new_token
     per pass relative to a plain AR step at the same batch size, and (greedy) the share of rows equal to
     diffar AR's. `data`: the `distill data` file whose held-out chat prompts join the chat set (default: a
     drafter's training corpus). `compile`: every diffar method's passes compiled (`generation.compile_models`;
-    compiled in the warm-up round), plain AR's included, so that each is measured against compiled AR."""
+    compiled in the warm-up round), plain AR's included, so that each is measured against compiled AR.
+    `datastore`: the corpus whose train split the `+datastore` methods' prompt lookup also copies from."""
     model, tokenizer, meta = load_for_inference(checkpoint, dtype=dtype)
     ar = ar_stream(model)
     if any(m.startswith("refusion") for m in methods) and meta["kind"] not in ("refusion", "drafter"):
         raise DiffarError(f"{checkpoint} is an AR checkpoint; the refusion methods need a drafter or ReFusion one")
     draft_model = load_ar(draft, tokenizer, "--draft", dtype=draft_dtype(dtype)) if "ar+draft" in methods else None
-    builders = lossless_methods(model, tokenizer, meta["task"], draft_model, k, 0.9, 1, compile)
+    builders = lossless_methods(model, tokenizer, meta["task"], draft_model, k, 0.9, 1, compile,
+                                _datastore(datastore, methods, tokenizer))
     unknown = set(methods) - set(builders) - set(PEER_METHODS)
     if unknown:
         raise DiffarError(f"unknown method(s) {', '.join(sorted(unknown))}; choose from "

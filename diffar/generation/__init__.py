@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from diffar.checkpoint import GENERATES, ar_stream, load_ar, load_for_inference, read_meta
+from diffar.decoding.datastore import load_datastore
 from diffar.decoding.refusion import DraftSchedule
 from diffar.decoding.speculative import DraftModel, PromptLookup
 from diffar.errors import DiffarError
@@ -45,25 +46,30 @@ def compile_models(model, draft_model: Transformer | None = None) -> None:
 
 
 def load_method(checkpoint: str, method: str | None = None, *, dtype: str = "fp32", tokenizer: str | None = None,
-                draft: str | None = None, prompt_lookup: bool = False, k: int | None = None,
-                schedule: DraftSchedule | None = None, judge: str | None = None, hybrid: str | None = None,
-                use_cache: bool = True, device: str = "cpu", compile: bool = False) -> GenerationMethod:
+                draft: str | None = None, prompt_lookup: bool = False, datastore: str | None = None,
+                k: int | None = None, schedule: DraftSchedule | None = None, judge: str | None = None,
+                hybrid: str | None = None, use_cache: bool = True, device: str = "cpu",
+                compile: bool = False) -> GenerationMethod:
     """The generation method `method` (default: the checkpoint's own) over a checkpoint, with what it works
     with: an AR drafter (`draft` checkpoint or `prompt_lookup`, verifying `k` drafts a pass), ReFusion's draft
-    `schedule` (with `prompt_lookup`, the copies join its drafts), DD2's best-of `judge` or `hybrid` continuer
+    `schedule` (with `prompt_lookup`, the copies join its drafts), prompt lookup's `datastore` (a corpus whose
+    train split it also copies from, decoding/datastore.py), DD2's best-of `judge` or `hybrid` continuer
     (AR checkpoints). Every model loads in `dtype` (fp32, bf16, fp16, int8) on `device` (cpu, cuda), and decodes
     there, a drafter at `precision.draft_dtype` (bf16 beside fp32 on most CPUs); `compile` compiles the AR
     model's decoding passes and a drafter's (models/precision.compile_decode, compile_draft)."""
     method = resolve_method(checkpoint, method)
-    given = {"draft": draft, "prompt_lookup": prompt_lookup, "schedule": schedule, "judge": judge, "hybrid": hybrid,
-             "no_cache": not use_cache, "compile": compile}
-    takes = {"ar": {"draft", "prompt_lookup", "no_cache", "compile"},
-             "refusion": {"schedule", "prompt_lookup", "compile"}, "dd2": {"judge", "hybrid"}}
+    given = {"draft": draft, "prompt_lookup": prompt_lookup, "datastore": datastore, "schedule": schedule,
+             "judge": judge, "hybrid": hybrid, "no_cache": not use_cache, "compile": compile}
+    takes = {"ar": {"draft", "prompt_lookup", "datastore", "no_cache", "compile"},
+             "refusion": {"schedule", "prompt_lookup", "datastore", "compile"}, "dd2": {"judge", "hybrid"}}
     for name, value in given.items():
         if value and name not in takes[method]:
             owners = " and ".join(m for m, names in takes.items() if name in names)
             raise OptionError(name, f"{name} applies to method {owners} only, not to {method}")
+    if datastore and not prompt_lookup and not (schedule and schedule.lookup):
+        raise OptionError("datastore", "a datastore serves prompt lookup: add --prompt-lookup")
     model, tok, meta = load_for_inference(checkpoint, tokenizer, dtype=dtype, device=device)
+    store = load_datastore(datastore, tok) if datastore else None
     alike = dict(dtype=dtype, device=device)  # every model it works with
     task = meta["task"]
     if method == "dd2":
@@ -72,7 +78,7 @@ def load_method(checkpoint: str, method: str | None = None, *, dtype: str = "fp3
     if method == "refusion":
         schedule = schedule or DraftSchedule()
         refusion = RefusionMethod(model, tok, task, schedule=replace(schedule, lookup=schedule.lookup or prompt_lookup),
-                                  k=k, compiled=compile)
+                                  k=k, compiled=compile, datastore=store)
         if compile:
             compile_models(model)
         return refusion
@@ -83,5 +89,5 @@ def load_method(checkpoint: str, method: str | None = None, *, dtype: str = "fp3
     draft_model = load_ar(draft, tok, "draft", dtype=draft_dtype(dtype, device), device=device) if draft else None
     if compile:
         compile_models(model, draft_model)
-    proposer = PromptLookup() if prompt_lookup else DraftModel(draft_model) if draft else None
+    proposer = PromptLookup(datastore=store) if prompt_lookup else DraftModel(draft_model) if draft else None
     return ARMethod(ar_stream(model), tok, task, proposer=proposer, k=k or 8, use_cache=use_cache, compiled=compile)

@@ -9,10 +9,11 @@ from dataclasses import asdict, dataclass, replace
 
 from diffar.data.batching import prompt_ids
 from diffar.decoding.ar import generate
+from diffar.decoding.datastore import Datastore
 from diffar.decoding.refusion import DraftSchedule, refusion_generate
 from diffar.decoding.result import GenerationResult
 from diffar.decoding.sampling import SamplingConfig
-from diffar.decoding.speculative import Proposer, WithPromptLookup, speculative_generate
+from diffar.decoding.speculative import PromptLookup, Proposer, WithPromptLookup, speculative_generate
 from diffar.decoding.drafter import BlockProposer
 from diffar.generation.method import OptionError, Options, per_row, within_budgets
 from diffar.models.drafter import BlockDrafter
@@ -98,8 +99,12 @@ class RefusionMethod(ARMethod):
     options = ARMethod.options | {"domain"}
 
     def __init__(self, model: RefusionModel | BlockDrafter, tokenizer: Tokenizer, task: str, *,
-                 schedule: DraftSchedule = DraftSchedule(), k: int | None = None, compiled: bool = False):
+                 schedule: DraftSchedule = DraftSchedule(), k: int | None = None, compiled: bool = False,
+                 datastore: Datastore | None = None):
+        """`datastore`: where prompt lookup (`schedule.lookup`) also copies from (decoding/datastore.py)."""
         block = isinstance(model, BlockDrafter)
+        if datastore and not schedule.lookup:
+            raise OptionError("datastore", "a datastore serves prompt lookup: add it (--prompt-lookup)")
         if compiled and not block:
             raise OptionError("compile", "compile applies to a block drafter and its target, not to an embedding "
                                          "diffusion stream (a ReFusion checkpoint)")
@@ -109,16 +114,17 @@ class RefusionMethod(ARMethod):
         k_block = min(k or model.config.block - 1, model.config.block - 1) if block else 8
         proposer = BlockProposer(model, schedule.tree) if block else None
         if proposer and schedule.lookup:
-            proposer = WithPromptLookup(proposer)
+            proposer = WithPromptLookup(proposer, lookup=PromptLookup(datastore=datastore))
         super().__init__(model.target if block else model.ar, tokenizer, task, proposer=proposer, k=k_block,
                          adaptive=True, compiled=compiled)  # verify about 1.5x what recent blocks kept, as ReFusion's
-        self.refusion, self.schedule, self.drafter = model, schedule, "drafter" if block else "diffusion"
+        self.refusion, self.schedule, self.datastore = model, schedule, datastore
+        self.drafter = "drafter" if block else "diffusion"
         self.domains = () if block else model.config.domains
         if not block:
             self.k = k
         self.label = "refusion" + "".join(suffix for suffix, on in (
             ("-dynamic", schedule.dynamic), ("-infill", schedule.plan_threshold), ("-tree", schedule.tree),
-            ("+prompt-lookup", schedule.lookup)) if on)
+            ("+prompt-lookup", schedule.lookup), ("+datastore", datastore)) if on)
 
     def settings(self, options: Options) -> DraftSampling:
         domains = self.domains
@@ -142,4 +148,5 @@ class RefusionMethod(ARMethod):
         return refusion_generate(self.refusion, prompts, max(budgets), k=self.k, schedule=self.schedule,
                                  prompt_words=words, eos_id=None if ignore_eos else self.tokenizer.eos_id,
                                  pad_id=self.tokenizer.pad_id, sampling=settings, generator=generator,
-                                 on_token=within_budgets(budgets, on_token), fixed=fixed, domain=settings.domain)
+                                 on_token=within_budgets(budgets, on_token), fixed=fixed, domain=settings.domain,
+                                 datastore=self.datastore)
