@@ -153,8 +153,9 @@ def run(args) -> None:
         if name == "refusion" else None
     flags.announce_compile(args)
     method = load_method(args.checkpoint, name, dtype=args.dtype, tokenizer=args.tokenizer, draft=args.draft,
-                         prompt_lookup=args.prompt_lookup, datastore=args.datastore, k=args.k, schedule=schedule, judge=args.judge,
-                         hybrid=args.hybrid, use_cache=not args.no_cache, device=args.device, compile=args.compile)
+                         prompt_lookup=args.prompt_lookup, datastore=args.datastore, k=args.k, schedule=schedule,
+                         judge=args.judge, hybrid=args.hybrid, use_cache=not args.no_cache, device=args.device,
+                         compile=args.compile)
     settings = method.settings(options)
     ids = chat_ids(method, [{"role": "user", "content": text}], args.checkpoint) if args.chat else method.prompt(text)
     if method.room(ids, settings) <= 0:
