@@ -92,8 +92,9 @@ class DraftSampling(SamplingConfig):
 class RefusionMethod(ARMethod):
     """ReFusion: the diffusion stream drafts blocks from the AR stream's hidden states, the AR stream verifies
     them; `schedule` is how hard it drafts (one DDIM step per block by default; the DD2 seed post's dynamic
-    schedule; plan-and-infill; a tree; prompt lookup's copies joining the drafts). A block drafter (models/drafter.py) drafts a block per pass for the
-    target it is attached to, as a chain or a tree (`schedule.tree`)."""
+    schedule; plan-and-infill; a tree; prompt lookup's copies joining the drafts, from a datastore too). A block
+    drafter (models/drafter.py) drafts a block per pass for the target it is attached to, as a chain or a tree
+    (`schedule.tree`)."""
 
     name = "refusion"
     options = ARMethod.options | {"domain"}
