@@ -101,13 +101,18 @@ def domain_labels(corpus: Corpus, domains: tuple[str, ...]) -> list[int]:
     return [domains.index(label) for label in labels]
 
 
+def check_token_ids(corpus: Corpus, tokenizer: Tokenizer) -> None:
+    """A token-id corpus (`distill data` records) must hold this tokenizer's ids."""
+    if corpus.tokenizer != tokenizer.sha256[:16]:
+        raise DiffarError(f"{corpus.name} holds token ids of another tokenizer than this model's")
+
+
 def build_dataset(corpus: Corpus, tokenizer: Tokenizer, block_size: int,
                   domains: tuple[str, ...] = ()) -> WindowDataset | PairDataset:
     """`domains`: a domain-adapted model's domain names; every batch then says each row's (`domain_labels`)."""
     labels = domain_labels(corpus, domains) if domains else None
     if corpus.sequences is not None:
-        if corpus.tokenizer != tokenizer.sha256[:16]:
-            raise DiffarError(f"{corpus.name} holds token ids of another tokenizer than this model's")
+        check_token_ids(corpus, tokenizer)
         return PairDataset(corpus.sequences, tokenizer, block_size, joined=True, domains=labels)
     if corpus.task == "continuation":
         ids: list[int] = []

@@ -67,15 +67,23 @@ def code_prompt(tokenizer: Tokenizer, code: str) -> list[int]:
     return chat_prompt(tokenizer, CODE_REQUEST.format(code=code))
 
 
+def source_text(path: Path) -> str:
+    """A Python source file's text; "" for one that cannot be read as UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
 def stdlib_functions(limit: int) -> list[str]:
     """Up to `limit` functions of Python's standard library that have a docstring, as signature + docstring,
     spread evenly over its modules in name order (a fixed set for a Python version)."""
     out = []
     for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        source = source_text(path)
         try:
-            source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
-        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+        except (SyntaxError, ValueError):
             continue
         lines = source.splitlines()
         for node in tree.body:

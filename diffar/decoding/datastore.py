@@ -10,6 +10,7 @@ from every n-gram (n <= max_ngram) to where its latest occurrence ends. Built fr
 
 from __future__ import annotations
 
+from diffar.data.batching import check_token_ids
 from diffar.data.corpora import load_corpus
 from diffar.errors import DiffarError
 from diffar.tokenizer import Tokenizer
@@ -49,8 +50,7 @@ def load_datastore(path: str, tokenizer: Tokenizer) -> Datastore:
     or a seq2seq corpus's targets."""
     corpus = load_corpus(path, "train")
     if corpus.sequences is not None:
-        if corpus.tokenizer != tokenizer.sha256[:16]:
-            raise DiffarError(f"--datastore {path} holds token ids of another tokenizer than this model's")
+        check_token_ids(corpus, tokenizer)
         texts = [response for _, response in corpus.sequences]
     else:
         texts = tokenizer.encode_batch(corpus.documents if corpus.task == "continuation" else

@@ -210,25 +210,23 @@ def _datastore(path: str | None, methods: list[str], tokenizer) -> Datastore | N
     wanted = any(m.endswith("+datastore") for m in methods)
     if path and not wanted:
         raise DiffarError("--datastore serves the +datastore methods (e.g. ar+prompt-lookup+datastore): add one")
-    return load_datastore(path, tokenizer) if path and wanted else None
+    if wanted and not path:
+        raise DiffarError("the +datastore methods copy from a datastore: pass --datastore CORPUS")
+    return load_datastore(path, tokenizer) if wanted else None
 
 
 def lossless_methods(model, tokenizer, task: str, draft_model, k: int, plan_threshold: float,
                      plan_slot: int, compiled: bool = False, datastore: Datastore | None = None) -> dict:
     """The lossless bench's methods by name, all verifying with the same AR weights; `compiled`: their passes are
-    (generation.compile_models); the `+datastore` ones: prompt lookup also copies from `datastore`."""
+    (generation.compile_models); the `+datastore` ones: prompt lookup also copies from `datastore` (None when
+    none of them runs)."""
     ar = ar_stream(model)
     # ReFusion drafts `block` tokens a pass; a block drafter verifies its whole block (the anchor aside)
     k_refusion = min(k, model.config.block) if isinstance(model, RefusionModel) else None
 
     def refusion(store: bool = False, **schedule):
         return lambda: RefusionMethod(model, tokenizer, task, k=k_refusion, schedule=DraftSchedule(**schedule),
-                                      compiled=compiled, datastore=stored() if store else None)
-
-    def stored() -> Datastore:
-        if datastore is None:
-            raise DiffarError("the +datastore methods copy from a datastore: pass --datastore CORPUS")
-        return datastore
+                                      compiled=compiled, datastore=datastore if store else None)
     return {
         "ar": lambda: ARMethod(ar, tokenizer, task, compiled=compiled),
         "ar+prompt-lookup": lambda: ARMethod(ar, tokenizer, task, proposer=PromptLookup(), k=k, compiled=compiled),
@@ -239,7 +237,7 @@ def lossless_methods(model, tokenizer, task: str, draft_model, k: int, plan_thre
         "refusion-tree": refusion(tree=TREE_NODES),
         "refusion+prompt-lookup": refusion(lookup=True),
         "refusion-tree+prompt-lookup": refusion(tree=TREE_NODES, lookup=True),
-        "ar+prompt-lookup+datastore": lambda: ARMethod(ar, tokenizer, task, proposer=PromptLookup(datastore=stored()),
+        "ar+prompt-lookup+datastore": lambda: ARMethod(ar, tokenizer, task, proposer=PromptLookup(datastore=datastore),
                                                        k=k, compiled=compiled),
         "refusion+prompt-lookup+datastore": refusion(store=True, lookup=True),
         "refusion-tree+prompt-lookup+datastore": refusion(store=True, tree=TREE_NODES, lookup=True),

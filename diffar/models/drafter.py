@@ -288,8 +288,9 @@ class BlockDrafter(nn.Module):
         # text's tokens s + 1 .. s + j - 1 are the target's own greedy chain from s (`on_chain`)
         at = s.unsqueeze(1) + torch.arange(L - 1, device=dev)  # (N, L - 1)
         label_at = rows.unsqueeze(1), at.clamp(max=T - 1)
-        inside = (at < T) & (targets[label_at] != IGNORE_INDEX) & on_chain(targets[label_at], greedy[label_at])
-        greedy = self._in_vocab(greedy[label_at][inside])
+        text, chain = targets[label_at], greedy[label_at]
+        inside = (at < T) & (text != IGNORE_INDEX) & on_chain(text, chain)
+        greedy = self._in_vocab(chain[inside])
         logits = self.logits(out[inside]).float()
         weight = torch.exp(-torch.arange(L - 1, device=dev, dtype=torch.float) / cfg.loss_decay).expand(len(s), -1)
         weight = weight[inside] * (greedy != IGNORE_INDEX)

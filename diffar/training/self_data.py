@@ -30,7 +30,8 @@ import torch
 from tqdm import tqdm
 
 from diffar.data.corpora import load_corpus
-from diffar.data.prompts import chat_prefix, chat_prompt, code_prompt, corpus_prompts, stdlib_functions, windows
+from diffar.data.prompts import (chat_prefix, chat_prompt, code_prompt, corpus_prompts, source_text,
+                                 stdlib_functions, windows)
 from diffar.decoding.ar import generate
 from diffar.decoding.sampling import SamplingConfig
 from diffar.errors import DiffarError
@@ -103,7 +104,7 @@ def _text_windows(source: str, tokenizer: Tokenizer, examples: int, length: int,
         root = Path(sysconfig.get_paths()["stdlib"])
         files = [f for f in sorted(root.rglob("*.py")) if not PACKAGES & set(f.relative_to(root).parts)]
         random.Random(seed).shuffle(files)
-        documents = (_source_text(f) for f in files)
+        documents = (source_text(f) for f in files)
         where = "Python's standard library"
     else:
         if not corpus:
@@ -120,13 +121,6 @@ def _text_windows(source: str, tokenizer: Tokenizer, examples: int, length: int,
         if len(out) >= examples:
             return out[:examples]
     raise DiffarError(f"{where} gives {len(out)} windows of {length} tokens, fewer than --examples {examples}")
-
-
-def _source_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return ""
 
 
 def self_data(model: Transformer, tokenizer: Tokenizer, source: str, examples: int, out: Path, *,
