@@ -66,9 +66,9 @@ def register(subparsers) -> None:
                            help="compile every diffar method's passes (plain AR's too; in the warm-up round)")
     verifying.add_argument("--datastore", metavar="CORPUS",
                            help="the +datastore methods (ar+prompt-lookup+datastore, refusion+prompt-lookup+"
-                                "datastore, refusion-tree+prompt-lookup+datastore): prompt lookup also copies from "
-                                "this corpus's train split, e.g. the `distill data` records of the model's own "
-                                "responses")
+                                "datastore, refusion-tree+prompt-lookup+datastore): prompt lookup also drafts a "
+                                "tree from this corpus's train split's n-grams, e.g. the `distill data` records "
+                                "of the model's own responses")
     lossless = [_prompts(32, [1]), verifying, json_out, threads]
     bsp = methods.add_parser("speculative", help="AR vs lossless prompt-lookup and draft-model decoding",
                              parents=lossless)

@@ -26,9 +26,9 @@ def register(subparsers) -> None:
     g.add_argument("--prompt-lookup", action="store_true",
                    help="speculative decoding: draft by copying n-grams (refusion: a copy goes first, the "
                         "drafter drafts where the text holds none)")
-    g.add_argument("--datastore", help="with --prompt-lookup: a corpus whose train split it also copies from "
-                                       "where the text holds no copy, e.g. `distill data` records of this model's "
-                                       "own responses (retrieval-based speculative decoding)")
+    g.add_argument("--datastore", help="with --prompt-lookup: a corpus whose train split's n-grams add a tree of "
+                                       "likely continuations to each draft, e.g. `distill data` records of this "
+                                       "model's own responses (retrieval-based speculative decoding)")
     g.add_argument("--k", type=flags.int_in(1, flags.MAX_DRAFT),
                    help=f"drafts verified per AR pass (1..{flags.MAX_DRAFT}, default 8; refusion: the model's block)")
     g.add_argument("--method", choices=["ar", "refusion", "dd2"], help="default: the checkpoint's own kind")

@@ -1,47 +1,54 @@
-"""A datastore for prompt lookup: text the target model wrote before (or any text in its tokenizer), searched
-for the last n-gram of a row's text when the row's own text holds no copy, as retrieval-based speculative
-decoding does (REST, He et al., arXiv 2311.08252). What followed the n-gram's latest occurrence is the copy;
-verification keeps what the target agrees with, so the output stays the target's own.
+"""A datastore for prompt lookup: text the target model wrote before (or any text in its tokenizer), as an n-gram
+model of what follows what, searched for the row's last tokens, as retrieval-based speculative decoding does
+(REST, He et al., arXiv 2311.08252). Its drafts are a tree of the likeliest continuations (tree.grow: each
+node's children the tokens that most often followed the longest stored n-gram ending there); verification keeps
+the path the target agrees with, so the output stays the target's own.
 
-The store is its texts' tokens laid end to end, each text closed by a separator no n-gram crosses, and a table
-from every n-gram (n <= max_ngram) to where its latest occurrence ends. Built from a corpus's train split:
-`distill data` token records (their responses: the target's own greedy text), or a text corpus tokenized.
+Built from a corpus's train split: `distill data` token records (their responses: the target's own greedy text),
+or a text corpus tokenized. n-grams never run across two texts.
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter, defaultdict
+
 from diffar.data.batching import check_token_ids
 from diffar.data.corpora import load_corpus
+from diffar.decoding.tree import grow
 from diffar.errors import DiffarError
 from diffar.tokenizer import Tokenizer
 
-SEPARATOR = -1  # between texts: never a token, so no n-gram or copy runs across it
-
 
 class Datastore:
-    def __init__(self, texts: list[list[int]], max_ngram: int = 3):
-        self.max_ngram = max_ngram
-        self.tokens: list[int] = []
-        self.ends: dict[tuple[int, ...], int] = {}  # n-gram -> the index just past its latest occurrence
+    def __init__(self, texts: list[list[int]], max_ngram: int = 4, top: int = 4):
+        """Every n-gram (n <= max_ngram) of the texts with a token after it -> its `top` likeliest next tokens."""
+        counts: defaultdict[tuple[int, ...], Counter] = defaultdict(Counter)
         for text in texts:
-            start = len(self.tokens)
-            self.tokens += text
-            for end in range(start + 1, len(self.tokens)):  # an n-gram with at least one token after it
-                for n in range(1, min(max_ngram, end - start) + 1):
-                    self.ends[tuple(self.tokens[end - n:end])] = end
-            self.tokens.append(SEPARATOR)
-        if not self.ends:
+            for end in range(1, len(text)):
+                for n in range(1, min(max_ngram, end) + 1):
+                    counts[tuple(text[end - n:end])][text[end]] += 1
+        if not counts:
             raise DiffarError("the datastore's texts hold no n-gram with a token after it")
+        self.max_ngram = max_ngram
+        # n-gram -> its next tokens as (token, log frequency), likeliest first
+        self.next: dict[tuple[int, ...], list[tuple[int, float]]] = {}
+        for gram, after in counts.items():
+            total = sum(after.values())
+            self.next[gram] = [(t, math.log(c / total)) for t, c in after.most_common(top)]
 
-    def copy(self, seq: list[int], k: int) -> tuple[int, list[int]]:
-        """(n, the up to k tokens after the latest stored occurrence of `seq`'s last n tokens), n the longest
-        n-gram stored; (0, []) if none is."""
+    def children(self, seq: list[int]) -> list[tuple[int, float]]:
+        """What followed the longest stored n-gram `seq` ends with, likeliest first; [] if none is stored."""
         for n in range(min(self.max_ngram, len(seq)), 0, -1):
-            end = self.ends.get(tuple(seq[-n:]))
-            if end is not None:
-                after = self.tokens[end:end + k]
-                return n, after[:after.index(SEPARATOR)] if SEPARATOR in after else after
-        return 0, []
+            after = self.next.get(tuple(seq[-n:]))
+            if after is not None:
+                return after
+        return []
+
+    def tree(self, seq: list[int], nodes: int, depth: int) -> tuple[list[int], list[int]]:
+        """The `nodes` likeliest continuations of `seq`, at most `depth` tokens long, as a tree (decoding/tree.py)."""
+        tail = seq[-self.max_ngram:]
+        return grow(lambda prefix: self.children(tail + prefix) if len(prefix) < depth else [], nodes)
 
 
 def load_datastore(path: str, tokenizer: Tokenizer) -> Datastore:

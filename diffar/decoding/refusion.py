@@ -204,7 +204,7 @@ def refusion_generate(model: RefusionModel, prompts: list[list[int]], max_new_to
     """ReFusion decoding of a batch, lossless unless `schedule.plan_threshold` is set; k (default: the model's
     block) caps the drafts verified per AR pass. `on_token`, `fixed` (pinned tokens) and `pad_id` as in
     `speculative_generate`; `domain`: the domain the stream drafts for (an index into its domains); `datastore`:
-    where `schedule.lookup`'s prompt lookup also copies from."""
+    where `schedule.lookup`'s prompt lookup also drafts from."""
     k = model.config.block if k is None else k
     if k > model.config.block:
         raise DiffarError(f"block size {k} exceeds the {model.config.block} tokens this model drafts per pass")

@@ -194,44 +194,61 @@ class DraftModel:
         return [Draft(drafts[r], dists[r]) for r in range(B)]
 
 
+DATASTORE_NODES = 12  # a datastore's draft tree (SmolLM2 bf16 on 2 CPU cores: a pass of 13 tokens ~1.4 AR steps)
+
+
 class PromptLookup:
-    """Drafts by copying what followed the latest earlier occurrence of the text's last n-gram; where the text
-    holds none, from a `datastore` of other text when there is one (decoding/datastore.py)."""
+    """Drafts by copying what followed the latest earlier occurrence of the text's last n-gram. With a
+    `datastore` (decoding/datastore.py), the copy is grafted onto a tree of the datastore's likeliest
+    continuations, `nodes` in all: a tree of certain drafts, verified like any other (`walk`: lossless)."""
 
     passes = 0  # drafting costs no forward pass
-    needs_hidden, taps, tree = False, (), 0
+    needs_hidden, taps = False, ()
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, datastore: Datastore | None = None):
-        self.max_ngram, self.min_ngram, self.datastore = max_ngram, min_ngram, datastore
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, datastore: Datastore | None = None,
+                 nodes: int = DATASTORE_NODES):
+        self.max_ngram, self.min_ngram, self.datastore, self.nodes = max_ngram, min_ngram, datastore, nodes
         self.name = "prompt-lookup+datastore" if datastore else "prompt-lookup"
+        self.tree = nodes if datastore else 0
 
     def start(self, batch_size: int, max_len: int) -> None:
         pass
 
     def propose(self, state: DecodeState, k: int, sampling: SamplingConfig, generator) -> list[Draft]:
-        return [Draft(self.lookup(seq, k)[1]) for seq in state.seqs]  # a copy is certain: q is one-hot
+        return [Draft([]) if done else self.draft(seq, self.lookup(seq, k)[1], k)
+                for seq, done in zip(state.seqs, state.done)]
 
     def lookup(self, seq: list[int], k: int) -> tuple[int, list[int]]:
         """(n, the up to k tokens that followed the latest earlier occurrence of the text's last n tokens), n the
-        longest n-gram that has one; else the datastore's copy; (0, []) if neither has one."""
+        longest n-gram that has one; (0, []) if none has."""
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             tail = seq[-n:]
             for start in range(len(seq) - n - 1, -1, -1):
                 if seq[start:start + n] == tail:
                     return n, seq[start + n:start + n + k]
-        return self.datastore.copy(seq, k) if self.datastore else (0, [])
+        return 0, []
+
+    def draft(self, seq: list[int], copy: list[int], k: int) -> Draft:
+        """The row's draft: its own `copy` (a chain: certain, q one-hot), grafted onto the datastore's tree of
+        continuations up to k tokens deep when there is a datastore."""
+        if self.datastore is None:
+            return Draft(copy)
+        tokens, parents = self.datastore.tree(seq, self.nodes - len(copy), k)
+        tokens, parents = graft(tokens, parents, copy)
+        return Draft(tokens, parents=parents)
 
 
 TRUSTED_NGRAM = 1  # WithPromptLookup: a copy found from a match this long is verified alone
 
 
 class WithPromptLookup:
-    """Another proposer's drafts with prompt lookup's copies: where the text so far holds a copy found from a
-    match of at least `trusted` tokens (by default any copy), the copy is verified alone and the inner proposer
-    does not draft for that row (when no row needs it, it makes no pass); elsewhere the row gets the inner
-    proposer's draft, with a weaker copy grafted on as free candidates: the draft becomes a tree (a chain is
-    one) with the copy hung from its root, so one verification pass tries both and keeps the longer path the
-    target agrees with (`walk`: lossless, greedy or sampled). The copy is up to `k` tokens long (8, as
+    """Another proposer's drafts with prompt lookup's: where prompt lookup has a draft of its own (a copy found
+    from a match of at least `trusted` tokens, by default any copy, on its datastore's tree when it has one; or,
+    where the text holds no copy, the datastore's tree alone), it is verified alone and the inner proposer does
+    not draft for that row (when no row needs it, it makes no pass); elsewhere the row gets the inner proposer's
+    draft with prompt lookup's grafted on as free candidates: the draft becomes a tree (a chain is one) with
+    prompt lookup's hung from its root, so one verification pass tries both and keeps the longer path the target
+    agrees with (`walk`: lossless, greedy or sampled). The copy is up to `k` tokens long (8, as
     `ar+prompt-lookup` verifies) whatever the block the inner proposer is asked for: it costs no drafting pass,
     only verified positions.
 
@@ -245,7 +262,7 @@ class WithPromptLookup:
         self.inner, self.k, self.lookup, self.trusted = inner, k, lookup or PromptLookup(), trusted
         self.name = f"{inner.name}+{self.lookup.name}"
         self.needs_hidden, self.taps = inner.needs_hidden, inner.taps
-        self.tree = max(inner.tree, k) + k  # nodes: the inner tree (or a chain) and the copy
+        self.tree = max(inner.tree, k) + max(self.lookup.tree, k)  # nodes: the inner tree (or a chain) and lookup's
 
     @property
     def passes(self) -> int:
@@ -256,16 +273,19 @@ class WithPromptLookup:
 
     def propose(self, state: DecodeState, k: int, sampling: SamplingConfig, generator) -> list[Draft]:
         found = [(0, []) if done else self.lookup.lookup(seq, self.k) for seq, done in zip(state.seqs, state.done)]
-        alone = [self.trusted is not None and copy != [] and n >= self.trusted for n, copy in found]
+        own = [Draft([]) if done else self.lookup.draft(seq, copy, self.k)
+               for seq, done, (_, copy) in zip(state.seqs, state.done, found)]
+        alone = [self.trusted is not None and mine.tokens != [] and (n >= self.trusted or copy == [])
+                 for (n, copy), mine in zip(found, own)]
         skip = [d or a for d, a in zip(state.done, alone)]  # the inner proposer drafts for the other rows alone
         drafts = [Draft([]) for _ in skip] if all(skip) else \
             self.inner.propose(replace(state, done=skip), k, sampling, generator)
-        for r, (draft, (_, copy)) in enumerate(zip(drafts, found)):
+        for r, (draft, mine) in enumerate(zip(drafts, own)):
             if alone[r]:
-                drafts[r] = Draft(copy)
-            elif copy:
-                parents = draft.parents if draft.parents is not None else chain(len(draft.tokens))
-                tokens, parents = graft(draft.tokens, parents, copy)
+                drafts[r] = mine
+            elif mine.tokens:
+                tokens, parents = graft(draft.tokens, chain(len(draft.tokens)) if draft.parents is None
+                                        else draft.parents, mine.tokens, mine.parents)
                 drafts[r] = Draft(tokens, parents=parents)
         return drafts
 

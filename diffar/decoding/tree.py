@@ -14,6 +14,7 @@ node 0 is the text's last token, already decided. A chain of n drafts is parents
 from __future__ import annotations
 
 import heapq
+from typing import Callable
 
 import torch
 
@@ -42,35 +43,43 @@ def ancestor_mask(parents: list[int], size: int) -> torch.Tensor:
     return mask
 
 
-def best_first(marginals: torch.Tensor, budget: int) -> tuple[list[int], list[int]]:
-    """The `budget` most probable prefixes of a block whose positions are independent with the given
-    distributions (k, V), as a tree. Lazy enumeration: a node's successors are its next sibling (the next
-    likelier token at its position, same parent) and its first child (the likeliest token at the next
-    position); both score no higher than the node, so nodes come out in order of decreasing score."""
-    k = marginals.shape[0]
-    if budget <= 0 or k == 0:
-        return [], []
-    width = min(budget, marginals.shape[1])
-    top_p, top_t = marginals.float().topk(width, dim=-1)
-    logp = top_p.clamp_min(1e-30).log().tolist()
-    top_t = top_t.tolist()
+Children = Callable[[list[int]], list[tuple[int, float]]]  # a prefix -> its likeliest next tokens, log-prob first
+
+
+def grow(children: Children, budget: int) -> tuple[list[int], list[int]]:
+    """The `budget` likeliest prefixes under a model of next tokens (score of a prefix: the sum of its tokens'
+    log-probs), as a tree; `children(prefix)` lists a prefix's candidates, likeliest first. Lazy enumeration: a
+    node's successors are its next sibling (the next likelier token, same parent) and its first child; both score
+    no higher than the node, so nodes come out in order of decreasing score."""
     tokens: list[int] = []
     parents: list[int] = []
-    # heap entries: (-score, tie-break, depth, rank at that depth, parent node, parent's log score)
-    heap = [(-logp[0][0], 0, 0, 0, 0, 0.0)]
+    prefixes: list[list[int]] = [[]]  # node -> its tokens from the root
+    options = {0: children([])}  # node -> its children's candidates
+    # heap entries: (-score, tie-break, parent node, rank among its candidates, parent's score)
+    heap = [(-options[0][0][1], 0, 0, 0, 0.0)] if budget > 0 and options[0] else []
     tie = 1
     while heap and len(tokens) < budget:
-        neg, _, depth, rank, parent, parent_logp = heapq.heappop(heap)
-        tokens.append(top_t[depth][rank])
+        neg, _, parent, rank, parent_score = heapq.heappop(heap)
+        tokens.append(options[parent][rank][0])
         parents.append(parent)
         node = len(tokens)
-        if rank + 1 < width:
-            heapq.heappush(heap, (-(parent_logp + logp[depth][rank + 1]), tie, depth, rank + 1, parent, parent_logp))
+        if rank + 1 < len(options[parent]):
+            heapq.heappush(heap, (-(parent_score + options[parent][rank + 1][1]), tie, parent, rank + 1, parent_score))
             tie += 1
-        if depth + 1 < k:
-            heapq.heappush(heap, (neg - logp[depth + 1][0], tie, depth + 1, 0, node, -neg))
+        prefixes.append(prefixes[parent] + [tokens[-1]])
+        options[node] = children(prefixes[node])
+        if options[node]:
+            heapq.heappush(heap, (neg - options[node][0][1], tie, node, 0, -neg))
             tie += 1
     return tokens, parents
+
+
+def best_first(marginals: torch.Tensor, budget: int) -> tuple[list[int], list[int]]:
+    """The `budget` most probable prefixes of a block whose positions are independent with the given
+    distributions (k, V), as a tree (`grow`)."""
+    top_p, top_t = marginals.float().topk(min(max(budget, 1), marginals.shape[1]), dim=-1)
+    ranked = [list(zip(t, p)) for t, p in zip(top_t.tolist(), top_p.clamp_min(1e-30).log().tolist())]
+    return grow(lambda prefix: ranked[len(prefix)] if len(prefix) < len(ranked) else [], budget)
 
 
 def walk(logits: torch.Tensor, tokens: list[int], parents: list[int], sampling: SamplingConfig,
@@ -98,18 +107,20 @@ def walk(logits: torch.Tensor, tokens: list[int], parents: list[int], sampling: 
         node = nxt
 
 
-def graft(tokens: list[int], parents: list[int], path: list[int]) -> tuple[list[int], list[int]]:
-    """The tree with the chain `path` hung from node 0: it follows the nodes that already hold its tokens,
-    then goes on with new nodes (appended, so every parent still comes before its children)."""
+def graft(tokens: list[int], parents: list[int], more: list[int],
+          more_parents: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """The tree with another tree (`more`, `more_parents`; by default a chain) hung from node 0: each of its nodes
+    follows the node that already holds its token under the same parent, or is appended (so every parent still
+    comes before its children)."""
     tokens, parents = list(tokens), list(parents)
     child: dict[tuple[int, int], int] = {}
     for i, (t, p) in enumerate(zip(tokens, parents), start=1):
         child.setdefault((p, t), i)  # the first such child, as `walk` picks
-    node = 0
-    for t in path:
-        if (node, t) not in child:
+    at = [0]  # node of `more` -> its node in the tree
+    for t, p in zip(more, chain(len(more)) if more_parents is None else more_parents):
+        if (at[p], t) not in child:
             tokens.append(t)
-            parents.append(node)
-            child[node, t] = len(tokens)
-        node = child[node, t]
+            parents.append(at[p])
+            child[at[p], t] = len(tokens)
+        at.append(child[at[p], t])
     return tokens, parents

@@ -206,19 +206,19 @@ TREE_NODES = 24  # refusion-tree's node budget
 
 
 def _datastore(path: str | None, methods: list[str], tokenizer) -> Datastore | None:
-    """The datastore the `+datastore` methods copy from, loaded when one of them runs."""
+    """The datastore the `+datastore` methods draft from, loaded when one of them runs."""
     wanted = any(m.endswith("+datastore") for m in methods)
     if path and not wanted:
         raise DiffarError("--datastore serves the +datastore methods (e.g. ar+prompt-lookup+datastore): add one")
     if wanted and not path:
-        raise DiffarError("the +datastore methods copy from a datastore: pass --datastore CORPUS")
+        raise DiffarError("the +datastore methods draft from a datastore: pass --datastore CORPUS")
     return load_datastore(path, tokenizer) if wanted else None
 
 
 def lossless_methods(model, tokenizer, task: str, draft_model, k: int, plan_threshold: float,
                      plan_slot: int, compiled: bool = False, datastore: Datastore | None = None) -> dict:
     """The lossless bench's methods by name, all verifying with the same AR weights; `compiled`: their passes are
-    (generation.compile_models); the `+datastore` ones: prompt lookup also copies from `datastore` (None when
+    (generation.compile_models); the `+datastore` ones: prompt lookup also drafts from `datastore` (None when
     none of them runs)."""
     ar = ar_stream(model)
     # ReFusion drafts `block` tokens a pass; a block drafter verifies its whole block (the anchor aside)
@@ -330,7 +330,7 @@ def bench_prompt_set(checkpoint: str, prompt_set: str, n_prompts: int, new_token
     diffar AR's. `data`: the `distill data` file whose held-out chat prompts join the chat set (default: a
     drafter's training corpus). `compile`: every diffar method's passes compiled (`generation.compile_models`;
     compiled in the warm-up round), plain AR's included, so that each is measured against compiled AR.
-    `datastore`: the corpus whose train split the `+datastore` methods' prompt lookup also copies from."""
+    `datastore`: the corpus whose train split the `+datastore` methods' prompt lookup also drafts from."""
     model, tokenizer, meta = load_for_inference(checkpoint, dtype=dtype)
     ar = ar_stream(model)
     if any(m.startswith("refusion") for m in methods) and meta["kind"] not in ("refusion", "drafter"):

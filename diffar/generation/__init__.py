@@ -53,10 +53,10 @@ def load_method(checkpoint: str, method: str | None = None, *, dtype: str = "fp3
     """The generation method `method` (default: the checkpoint's own) over a checkpoint, with what it works
     with: an AR drafter (`draft` checkpoint or `prompt_lookup`, verifying `k` drafts a pass), ReFusion's draft
     `schedule` (with `prompt_lookup`, the copies join its drafts), prompt lookup's `datastore` (a corpus whose
-    train split it also copies from, decoding/datastore.py), DD2's best-of `judge` or `hybrid` continuer
-    (AR checkpoints). Every model loads in `dtype` (fp32, bf16, fp16, int8) on `device` (cpu, cuda), and decodes
-    there, a drafter at `precision.draft_dtype` (bf16 beside fp32 on most CPUs); `compile` compiles the AR
-    model's decoding passes and a drafter's (models/precision.compile_decode, compile_draft)."""
+    train split's n-grams add a tree of likely continuations, decoding/datastore.py), DD2's best-of `judge` or
+    `hybrid` continuer (AR checkpoints). Every model loads in `dtype` (fp32, bf16, fp16, int8) on `device` (cpu,
+    cuda), and decodes there, a drafter at `precision.draft_dtype` (bf16 beside fp32 on most CPUs); `compile`
+    compiles the AR model's decoding passes and a drafter's (models/precision.compile_decode, compile_draft)."""
     method = resolve_method(checkpoint, method)
     given = {"draft": draft, "prompt_lookup": prompt_lookup, "datastore": datastore, "schedule": schedule,
              "judge": judge, "hybrid": hybrid, "no_cache": not use_cache, "compile": compile}

@@ -102,7 +102,7 @@ class RefusionMethod(ARMethod):
     def __init__(self, model: RefusionModel | BlockDrafter, tokenizer: Tokenizer, task: str, *,
                  schedule: DraftSchedule = DraftSchedule(), k: int | None = None, compiled: bool = False,
                  datastore: Datastore | None = None):
-        """`datastore`: where prompt lookup (`schedule.lookup`) also copies from (decoding/datastore.py)."""
+        """`datastore`: what prompt lookup (`schedule.lookup`) also drafts from (decoding/datastore.py)."""
         block = isinstance(model, BlockDrafter)
         if datastore and not schedule.lookup:
             raise OptionError("datastore", "a datastore serves prompt lookup: add it (--prompt-lookup)")
