@@ -15,6 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from diffar.chat_template import ChatTemplate
+from diffar.decoding.result import DRAFT
 from diffar.errors import DiffarError
 from diffar.importing.embedded import smollm2_gguf
 from diffar.tokenizer import Tokenizer
@@ -126,6 +127,19 @@ def test_generate_chat(smollm2_checkpoint):
     assert n < 24  # the end-of-turn token stopped it
 
 
+def test_chat_with_prompt_lookup_and_a_datastore_answers_the_same(smollm2_checkpoint):
+    """Lossless drafting in a conversation: the answers are plain greedy AR's, and the speed line names the method."""
+    talk = "What is the capital of France?\nWrite a Python function that adds two numbers.\n"
+    plain = run_cli("chat", "--checkpoint", smollm2_checkpoint, "--max-new-tokens", "32", input=talk)
+    drafted = run_cli("chat", "--checkpoint", smollm2_checkpoint, "--max-new-tokens", "32", "--prompt-lookup",
+                      "--datastore", ROOT / "data" / "self-smollm2.jsonl.gz", input=talk)
+    assert plain.returncode == 0 and drafted.returncode == 0, drafted.stderr
+    assert drafted.stdout == plain.stdout and "Paris" in plain.stdout and "def " in plain.stdout
+    assert drafted.stderr.count("[ar+prompt-lookup+datastore]") == 2, drafted.stderr
+    assert_clean_error(run_cli("chat", "--checkpoint", smollm2_checkpoint, "--datastore", "shakespeare", input="Hi\n"),
+                       "a datastore serves prompt lookup")
+
+
 @pytest.mark.parametrize("command", ["generate", "chat"])
 def test_a_model_without_a_template_cannot_chat(command):
     args = ("--chat", "--prompt", "Hello") if command == "generate" else ()
@@ -155,6 +169,18 @@ def test_openai_client_chats(server):
     developer = [{"role": "developer", "content": SYSTEM}, messages[1]]  # OpenAI's name for system
     assert client.chat.completions.create(model="tiny", messages=developer, max_tokens=24,
                                           temperature=0).choices[0].message.content == answer.content
+
+
+def test_serve_with_prompt_lookup_and_a_datastore_answers_the_same(server, smollm2_checkpoint):
+    messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+    body = {"messages": messages, "max_tokens": 40, "temperature": 0}
+    plain = httpx.post(server + "/v1/chat/completions", json=body, timeout=120).json()
+    with serving(smollm2_checkpoint, "--prompt-lookup", "--datastore", ROOT / "data" / "self-smollm2.jsonl.gz") as url:
+        drafted = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert drafted["choices"][0]["message"] == plain["choices"][0]["message"]
+    assert drafted["usage"] == plain["usage"]
+    assert DRAFT in drafted["diffar"]["origins"] and DRAFT not in plain["diffar"]["origins"]  # drafts were kept
+    assert drafted["diffar"]["passes"]["target"] < plain["diffar"]["passes"]["target"]
 
 
 @pytest.mark.parametrize("role, content, param", [("wizard", "hi", "messages.0.role"), ("tool", "hi", "messages"),

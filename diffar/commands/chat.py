@@ -15,7 +15,7 @@ from diffar.errors import DiffarError
 def register(subparsers) -> None:
     c = subparsers.add_parser("chat", help="chat with a chat model: user turns from stdin, answers streamed",
                               parents=[flags.seed(), flags.dtype(), flags.device(), flags.compile_step(),
-                                       flags.sampling(), flags.threads()])
+                                       flags.prompt_lookup(), flags.sampling(), flags.threads()])
     c.add_argument("--checkpoint", required=True)
     c.add_argument("--system", help="a system message that opens the conversation")
     c.set_defaults(func=run)
@@ -43,7 +43,8 @@ def run(args) -> None:
     from diffar.generation import load_method
 
     flags.announce_compile(args)
-    method = load_method(args.checkpoint, dtype=args.dtype, device=args.device, compile=args.compile)
+    method = load_method(args.checkpoint, dtype=args.dtype, device=args.device, compile=args.compile,
+                         prompt_lookup=args.prompt_lookup, datastore=args.datastore)
     settings = method.settings(sampling_options(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []
     chat_ids(method, messages + [{"role": "user", "content": "Hello"}], args.checkpoint)  # fail before any turn

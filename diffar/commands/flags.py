@@ -103,6 +103,18 @@ def compile_step() -> argparse.ArgumentParser:
     return p
 
 
+def prompt_lookup() -> argparse.ArgumentParser:
+    """Lossless drafting by prompt lookup, with a datastore (decoding/datastore.py), for AR and refusion models."""
+    p = _parent()
+    p.add_argument("--prompt-lookup", action="store_true",
+                   help="speculative decoding: draft by copying n-grams (refusion: a copy goes first, the "
+                        "drafter drafts where the text holds none)")
+    p.add_argument("--datastore", help="with --prompt-lookup: a corpus whose train split's n-grams add a tree of "
+                                       "likely continuations to each draft, e.g. `distill data` records of this "
+                                       "model's own responses (retrieval-based speculative decoding)")
+    return p
+
+
 def announce_compile(args) -> None:
     if args.compile:
         print("--compile: the first decoding step of each batch size compiles (tens of seconds on a CPU the first "

@@ -14,7 +14,8 @@ from diffar.errors import DiffarError
 def register(subparsers) -> None:
     g = subparsers.add_parser("generate", help="generate text from a prompt (argument or stdin), streaming",
                               parents=[flags.seed(), flags.dtype(flags.DTYPE_HELP + ", every model loaded"),
-                                       flags.device(), flags.compile_step(), flags.sampling(), flags.threads()])
+                                       flags.device(), flags.compile_step(), flags.prompt_lookup(),
+                                       flags.sampling(), flags.threads()])
     g.add_argument("--checkpoint", required=True)
     g.add_argument("--tokenizer", help="override the checkpoint's own tokenizer (must be the same one)")
     g.add_argument("--prompt", help="prompt text (default: read stdin)")
@@ -23,12 +24,6 @@ def register(subparsers) -> None:
     g.add_argument("--no-cache", action="store_true", help="recompute every step (slow; for comparison)")
     g.add_argument("--no-echo", action="store_true", help="do not repeat a continuation prompt")
     g.add_argument("--draft", help="speculative decoding: a small AR checkpoint (same tokenizer) drafts tokens")
-    g.add_argument("--prompt-lookup", action="store_true",
-                   help="speculative decoding: draft by copying n-grams (refusion: a copy goes first, the "
-                        "drafter drafts where the text holds none)")
-    g.add_argument("--datastore", help="with --prompt-lookup: a corpus whose train split's n-grams add a tree of "
-                                       "likely continuations to each draft, e.g. `distill data` records of this "
-                                       "model's own responses (retrieval-based speculative decoding)")
     g.add_argument("--k", type=flags.int_in(1, flags.MAX_DRAFT),
                    help=f"drafts verified per AR pass (1..{flags.MAX_DRAFT}, default 8; refusion: the model's block)")
     g.add_argument("--method", choices=["ar", "refusion", "dd2"], help="default: the checkpoint's own kind")

@@ -10,7 +10,8 @@ from diffar.commands import flags
 
 def register(subparsers) -> None:
     sv = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with dynamic batching and streaming",
-                               parents=[flags.dtype(), flags.device(), flags.compile_step(), flags.threads()])
+                               parents=[flags.dtype(), flags.device(), flags.compile_step(), flags.prompt_lookup(),
+                                        flags.threads()])
     sv.add_argument("--checkpoint", required=True)
     sv.add_argument("--method", choices=("ar", "dd2", "refusion"),
                     help="decoding method (default: the checkpoint's kind; a ReFusion checkpoint can also serve its AR "
@@ -50,7 +51,7 @@ def run(args) -> None:
 
     flags.announce_compile(args)
     method = load_method(args.checkpoint, args.method, dtype=args.dtype, device=args.device, judge=args.judge,
-                         compile=args.compile)
+                         compile=args.compile, prompt_lookup=args.prompt_lookup, datastore=args.datastore)
     app = create_app(method, args.model_id or Path(args.checkpoint).resolve().name, max_batch_size=args.max_batch_size,
                      window_ms=args.batch_window_ms, max_queue=args.max_queue, max_wait_s=args.max_wait_s,
                      max_body_bytes=args.max_body_bytes, api_key=args.api_key or None,
