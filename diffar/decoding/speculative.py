@@ -41,6 +41,10 @@ class Draft:
     planned: list[bool] | None = None  # tokens kept without verification (plan-and-infill: not lossless)
     parents: list[int] | None = None  # a tree: node i + 1 holds tokens[i] under node parents[i]; None: a chain
 
+    def shape(self) -> list[int]:
+        """Its nodes' parents as a tree (a chain's, for a chain)."""
+        return chain(len(self.tokens)) if self.parents is None else self.parents
+
     def within(self, n: int) -> Draft:
         """The draft cut to its first n positions (a tree: its nodes at depth <= n)."""
         if self.parents is None:
@@ -284,8 +288,7 @@ class WithPromptLookup:
             if alone[r]:
                 drafts[r] = mine
             elif mine.tokens:
-                tokens, parents = graft(draft.tokens, chain(len(draft.tokens)) if draft.parents is None
-                                        else draft.parents, mine.tokens, mine.parents)
+                tokens, parents = graft(draft.tokens, draft.shape(), mine.tokens, mine.parents)
                 drafts[r] = Draft(tokens, parents=parents)
         return drafts
 
@@ -438,7 +441,7 @@ def speculative_generate(
             blocks[r, 1:1 + len(p.tokens)] = torch.tensor(p.tokens, dtype=torch.long)
         tree = None
         if any(p.parents is not None for p in proposals):  # every row as a tree (a chain is one too)
-            shapes = [p.parents if p.parents is not None else chain(len(p.tokens)) for p in proposals]
+            shapes = [p.shape() for p in proposals]
             offsets = torch.tensor([depths(s) + [0] * (n - 1 - len(s)) for s in shapes])  # padding nodes: 0
             tree = (torch.stack([ancestor_mask(s, n) for s in shapes]), offsets)
         logits = target.lm_head(state.feed(target, blocks, tree))
